@@ -1,0 +1,51 @@
+# Entry points. `make test` and `make generate` build .venv first when it is missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# MLX backend on Linux: cpu (default) or cuda. macOS gets Metal from plain mlx.
+MLX_BACKEND ?= cpu
+ifeq ($(shell uname -s),Darwin)
+EXTRAS := dev
+else
+EXTRAS := $(MLX_BACKEND),dev
+endif
+
+MODEL ?= models/qwen3-next-tiny-stdlib
+DATASET ?=
+OUT ?= out/$(basename $(notdir $(DATASET)))
+ARGS ?=
+NP ?= 1
+PYTEST_ARGS ?=
+
+.PHONY: install test test-slow test-all generate bench clean-venv
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+install: $(VENV)/.installed
+
+test: $(VENV)/.installed
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-slow: $(VENV)/.installed
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
+
+test-all: $(VENV)/.installed
+	$(PY) -m pytest -m "" $(PYTEST_ARGS)
+
+generate: $(VENV)/.installed
+	@test -n "$(DATASET)" || { echo "usage: make generate DATASET=path [MODEL=dir] [OUT=dir] [ARGS=\"...\"] [NP=n]"; exit 2; }
+ifeq ($(NP),1)
+	$(PY) -m jobs generate --dataset "$(DATASET)" --model "$(MODEL)" --output "$(OUT)" $(ARGS)
+else
+	$(VENV)/bin/mlx.launch --backend ring -n $(NP) -m jobs generate --dataset "$(DATASET)" --model "$(MODEL)" --output "$(OUT)" $(ARGS)
+endif
+
+bench: $(VENV)/.installed
+	$(PY) -m mtp_engine.bench $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

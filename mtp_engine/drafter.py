@@ -1,0 +1,228 @@
+"""MTP drafting.
+
+The drafter owns nothing between generations: each generation gets an
+`MTPDraftState` (the head's KV caches plus the *pending* pairs). A pending
+pair ``(H_i, t_{i+1})`` is one the head has not consumed yet; after every
+commit the pending pairs are the accepted tokens against the main model's
+true hiddens, so the head's cache always matches the committed text. The
+next draft consumes them in the same forward that makes its first draft
+token (the sync costs no extra call).
+
+Forks (trees, paths) restart the head's cache from the fork point by
+trimming it back to that offset: its KV entries before the fork are never
+written again, so no branch sees another branch's tokens.
+
+One host sync per draft step (``int(argmax)``) keeps each step's graph small;
+a single lazy graph over all steps measured slower in the reference design.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from mtp_engine.mtp_head import MTPHead
+
+
+@dataclass
+class MTPDraftState:
+    """The head's state during one generation.
+
+    Attributes:
+        cache: One KV cache per MTP layer.
+        pending_hidden: Hiddens of the pairs not consumed yet, ``[1, m, dim]``.
+        pending_tokens: Tokens of those pairs (``t_{i+1}`` for ``H_i``).
+        base: Cache offset after the pending pairs are consumed; entries
+            below it are true (committed) ones, above it drafted ones.
+    """
+
+    cache: list[KVCache]
+    pending_hidden: mx.array | None = None
+    pending_tokens: list[int] = field(default_factory=list)
+    base: int = 0
+
+    @property
+    def offset(self) -> int:
+        return self.cache[0].offset
+
+
+class MTPDrafter:
+    """Greedy drafting with an MTP head sharing the trunk's embedding and LM head.
+
+    Args:
+        head: The `MTPHead`.
+        embed: The trunk's token embedding.
+        lm_head: Maps hiddens to logits (the trunk's LM head).
+        prefill_step_size: Pending pairs consumed per forward at most, so a
+            long prompt's MTP prefill is chunked like the trunk's.
+    """
+
+    def __init__(self, head: MTPHead, embed: nn.Module, lm_head, prefill_step_size: int = 2048):
+        self.head = head
+        self.embed = embed
+        self.lm_head = lm_head
+        self.prefill_step_size = prefill_step_size
+
+    def new_state(self) -> MTPDraftState:
+        return MTPDraftState(cache=self.head.make_cache())
+
+    # -- cache bookkeeping -------------------------------------------------
+
+    def set_pending(self, state: MTPDraftState, hidden: mx.array, tokens: list[int]) -> None:
+        """Queue pairs ``(hidden[:, j], tokens[j])`` for the next forward."""
+        if hidden.shape[1] != len(tokens):
+            raise ValueError(f"{hidden.shape[1]} hiddens for {len(tokens)} tokens")
+        state.pending_hidden = hidden
+        state.pending_tokens = list(tokens)
+
+    def commit(self, state: MTPDraftState, hidden: mx.array, tokens: list[int]) -> None:
+        """Drop drafted entries and queue the accepted pairs.
+
+        Args:
+            hidden: The trunk's hiddens at the verified positions ``0..n``
+                (inputs ``x, d_1..d_n``), ``[1, n+1, dim]``.
+            tokens: The tokens those positions predicted: ``d_1..d_n`` and
+                the bonus token, i.e. what the step emitted.
+        """
+        self.rewind(state, state.base)
+        self.set_pending(state, hidden, tokens)
+
+    def rewind(self, state: MTPDraftState, offset: int) -> None:
+        """Trim the head's caches back to ``offset`` entries."""
+        for c in state.cache:
+            c.trim(c.offset - offset)
+
+    # -- forwards ----------------------------------------------------------
+
+    def _forward(self, state: MTPDraftState, hidden: mx.array, tokens: mx.array):
+        m = self.head(hidden, self.embed(tokens), state.cache)  # [1, L, dim]
+        m_last = m[:, -1:, :]
+        return self.lm_head(m_last)[0, 0], m_last  # [vocab], [1, 1, dim]
+
+    def first_step(self, state: MTPDraftState):
+        """Consume the pending pairs; return logits and hidden of the last one."""
+        hidden, tokens = state.pending_hidden, state.pending_tokens
+        if hidden is None or not tokens:
+            raise RuntimeError("first_step needs pending pairs (set_pending/commit)")
+        ids = mx.array(tokens)[None]
+        total = len(tokens)
+        start = 0
+        while total - start > self.prefill_step_size:
+            end = start + self.prefill_step_size
+            self.head(hidden[:, start:end], self.embed(ids[:, start:end]), state.cache)
+            mx.eval([c.state for c in state.cache])
+            start = end
+        out = self._forward(state, hidden[:, start:], ids[:, start:])
+        state.pending_hidden, state.pending_tokens = None, []
+        state.base = state.offset
+        return out
+
+    def step(self, state: MTPDraftState, hidden: mx.array, token: int):
+        """One draft step from ``(hidden, token)``; returns logits and ``M``."""
+        return self._forward(state, hidden, mx.array([[token]]))
+
+    def _continue(self, state: MTPDraftState, hidden: mx.array, token: int, n: int) -> list[int]:
+        """Greedily extend a path ending in ``token`` (made with ``hidden``) by n."""
+        out = []
+        for _ in range(n):
+            logits, hidden = self.step(state, hidden, token)
+            token = int(mx.argmax(logits))
+            out.append(token)
+        return out
+
+    # -- strategies ----------------------------------------------------------
+
+    def draft(self, state: MTPDraftState, k: int) -> list[int]:
+        """K greedy draft tokens (a chain)."""
+        logits, m = self.first_step(state)
+        d = int(mx.argmax(logits))
+        return [d] + self._continue(state, m, d, k - 1)
+
+    def draft_adaptive(self, state: MTPDraftState, depth_max: int, tau: float) -> list[int]:
+        """Greedy chain that stops once the running product of top-1
+        probabilities falls below ``tau``; 1..depth_max tokens."""
+        logits, m = self.first_step(state)
+        d, p = _top1(logits)
+        chain, confidence = [d], p
+        while len(chain) < depth_max and confidence >= tau:
+            logits, m = self.step(state, m, d)
+            d, p = _top1(logits)
+            chain.append(d)
+            confidence *= p
+        return chain
+
+    def draft_tree(self, state: MTPDraftState, k: int, pos2: bool = True) -> list[list[int]]:
+        """Minimal tree: chain A (all top-1), B (runner-up at draft position 1)
+        and, if ``pos2`` and k >= 2, C (runner-up at position 2). Each k long."""
+        logits, m1 = self.first_step(state)
+        d1a, d1b = _topk(logits, 2)
+        fork1 = state.offset
+        paths = []
+        if pos2 and k >= 2:
+            logits2, m2 = self.step(state, m1, d1a)
+            d2a, d2c = _topk(logits2, 2)
+            fork2 = state.offset
+            paths.append([d1a, d2a] + self._continue(state, m2, d2a, k - 2))
+            self.rewind(state, fork2)
+            chain_c = [d1a, d2c] + self._continue(state, m2, d2c, k - 2)
+        else:
+            paths.append([d1a] + self._continue(state, m1, d1a, k - 1))
+            chain_c = None
+        self.rewind(state, fork1)
+        paths.append([d1b] + self._continue(state, m1, d1b, k - 1))
+        if chain_c is not None:
+            paths.append(chain_c)
+        return paths
+
+    def draft_adaptive_tree(self, state: MTPDraftState, depth_max: int, tau: float) -> list[list[int]]:
+        """Adaptive chain A plus, when it is at least 2 deep, a branch B from
+        the runner-up at position 1, continued to the same depth."""
+        logits, m1 = self.first_step(state)
+        (d1a, d1b), p = _topk(logits, 2), _top_prob(logits)
+        fork1 = state.offset
+        chain, confidence = [d1a], p
+        m, d = m1, d1a
+        while len(chain) < depth_max and confidence >= tau:
+            logits, m = self.step(state, m, d)
+            d, pd = _top1(logits)
+            chain.append(d)
+            confidence *= pd
+        if len(chain) < 2:
+            return [chain]
+        self.rewind(state, fork1)
+        return [chain, [d1b] + self._continue(state, m1, d1b, len(chain) - 1)]
+
+    def draft_paths(self, state: MTPDraftState, k: int, p: int) -> list[list[int]]:
+        """Top-``p`` first tokens, each continued greedily to ``k`` tokens."""
+        logits, m1 = self.first_step(state)
+        firsts = _topk(logits, p)
+        fork1 = state.offset
+        paths = []
+        for j, first in enumerate(firsts):
+            if j:
+                self.rewind(state, fork1)
+            paths.append([first] + self._continue(state, m1, first, k - 1))
+        return paths
+
+
+def _top1(logits: mx.array) -> tuple[int, float]:
+    """Greedy token and its softmax probability, one host sync."""
+    top = mx.argmax(logits)
+    prob = mx.exp(logits[top] - mx.logsumexp(logits))
+    mx.eval(top, prob)
+    return int(top), float(prob)
+
+
+def _top_prob(logits: mx.array) -> float:
+    """Softmax probability of the likeliest token."""
+    return float(mx.exp(mx.max(logits) - mx.logsumexp(logits)))
+
+
+def _topk(logits: mx.array, k: int) -> list[int]:
+    """The ``k`` likeliest tokens, likeliest first (ties: lower id first)."""
+    k = min(k, logits.shape[-1])
+    order = mx.argsort(-logits)[:k]
+    return order.tolist()

@@ -1,0 +1,394 @@
+"""The persistent MTP speculative decoding engine.
+
+Contract: the engine knows nothing about files of jobs, shards or datasets.
+It loads a checkpoint once and decodes prompts one at a time; every
+`generate` call builds fresh caches, so nothing leaks between prompts.
+Greedy speculative output equals plain greedy decoding of the same model.
+
+One decoding step (chain): draft ``d_1..d_K`` from ``(H_last, x)`` with the MTP
+head; verify ``[x, d_1..d_K]`` in one trunk forward with per-token recurrent
+checkpoints; accept the longest prefix with ``d_j == g_{j-1}``; emit it and
+the bonus ``g_n``; commit ``n + 1`` tokens to the trunk's caches; queue the
+accepted pairs for the head.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from mtp_engine.cache_ops import (
+    commit_by_replay,
+    commit_tree_row,
+    commit_verified_prefix,
+    snapshot,
+    tile_caches,
+)
+from mtp_engine.drafter import MTPDrafter
+from mtp_engine.loader import LoadedCheckpoint, load_checkpoint
+from mtp_engine.modes import DecodeConfig
+from mtp_engine.recurrent import CheckpointArraysCache, make_main_cache
+from schemas.records import GenerationResult, GenerationStats, StepTrace
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit the model's context."""
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """Result of one verify forward.
+
+    Attributes:
+        row: Winning row (path index).
+        accepted: Drafts accepted on that row (n).
+        emitted: ``d_1..d_n`` and the bonus token.
+        hidden: Trunk hiddens at positions ``0..n`` of that row, ``[1, n+1, dim]``.
+    """
+
+    row: int
+    accepted: int
+    emitted: list[int]
+    hidden: mx.array
+
+
+def greedy_tokens(logits: mx.array) -> mx.array:
+    """Greedy choice as mlx-lm's ``generate_step`` makes it (argmax of the
+    log-probabilities), so rounding ties resolve identically."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return mx.argmax(logprobs, axis=-1)
+
+
+def accepted_prefix(draft: list[int], targets: list[int]) -> int:
+    """Length of the longest prefix with ``draft[j] == targets[j]``."""
+    n = 0
+    for d, g in zip(draft, targets):
+        if d != g:
+            break
+        n += 1
+    return n
+
+
+class _Finisher:
+    """Collects emitted tokens and decides when generation ends."""
+
+    def __init__(self, tokenizer, eos: set[int], max_tokens: int, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.eos = eos
+        self.max_tokens = max_tokens
+        self.stop = stop
+        self.tokens: list[int] = []
+        self.reason: str | None = None
+        self._detok = tokenizer.detokenizer if stop else None
+        if self._detok is not None:
+            self._detok.reset()
+        self._longest_stop = max((len(s) for s in stop), default=0)
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.max_tokens - len(self.tokens)
+
+    def add(self, tokens: list[int]) -> None:
+        for t in tokens:
+            if self.done:
+                return
+            if t in self.eos:
+                self.reason = "stop"
+                return
+            self.tokens.append(t)
+            if self._detok is not None:
+                before = len(self._detok.text)
+                self._detok.add_token(t)
+                text = self._detok.text
+                window = text[max(0, before - self._longest_stop) :]
+                if any(s in window for s in self.stop):
+                    self.reason = "stop"
+                    return
+            if len(self.tokens) >= self.max_tokens:
+                self.reason = "length"
+
+    def text(self) -> str:
+        text = self.tokenizer.decode(self.tokens)
+        if self.stop:
+            cuts = [i for s in self.stop if (i := text.find(s)) >= 0]
+            if cuts:
+                text = text[: min(cuts)]
+        return text
+
+
+class MTPEngine:
+    """Loads a Qwen3-Next checkpoint with its MTP head once; decodes prompts
+    with lossless greedy speculative decoding.
+
+    Args:
+        checkpoint: What `load_checkpoint` returned.
+        use_checkpoints: Commit recurrent caches from per-token checkpoints
+            (default). False restores a snapshot and replays the accepted
+            tokens instead (slower; for caches without checkpoints).
+        prefill_step_size: Prompt tokens per prefill forward (as mlx-lm).
+    """
+
+    def __init__(
+        self,
+        checkpoint: LoadedCheckpoint,
+        *,
+        use_checkpoints: bool = True,
+        prefill_step_size: int = 2048,
+    ):
+        self.checkpoint = checkpoint
+        self.model = checkpoint.model
+        self.tokenizer = checkpoint.tokenizer
+        self.config = checkpoint.config
+        self.use_checkpoints = use_checkpoints
+        self.prefill_step_size = prefill_step_size
+        trunk = self.model.model
+        self.drafter = MTPDrafter(
+            checkpoint.head, trunk.embed_tokens, self.lm_head, prefill_step_size
+        )
+
+    @classmethod
+    def load(cls, path: str | Path, **kwargs) -> "MTPEngine":
+        """Load a checkpoint folder (Hub layout, or mlx_lm.convert output that
+        holds the ``mtp.*`` tensors). See `load_checkpoint` for errors."""
+        return cls(load_checkpoint(path), **kwargs)
+
+    # -- model plumbing ------------------------------------------------------
+
+    def lm_head(self, hidden: mx.array) -> mx.array:
+        if self.model.args.tie_word_embeddings:
+            return self.model.model.embed_tokens.as_linear(hidden)
+        return self.model.lm_head(hidden)
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(self.tokenizer.eos_token_ids)
+
+    @property
+    def context_length(self) -> int:
+        return self.checkpoint.context_length
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt (a string is tokenized as is, no template)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return list(self.tokenizer.encode(prompt))
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise TypeError("prompt must be a string or a list of token ids (ints)")
+        if not prompt:
+            raise ValueError("prompt is empty")
+        vocab = self.model.args.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+        return list(prompt)
+
+    # -- generation ------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        *,
+        max_tokens: int = 256,
+        mode: str = "chain",
+        draft_tokens: int = 3,
+        tau: float = 0.5,
+        paths: int = 2,
+        stop: str | list[str] | None = None,
+        trace: bool = False,
+        tree_pos2: bool = True,
+    ) -> GenerationResult:
+        """Decode one prompt greedily.
+
+        Args:
+            prompt: Text (tokenized as is) or token ids.
+            max_tokens: Most tokens to generate.
+            mode: "baseline", "chain", "adaptive", "tree", "adaptive_tree"
+                or "paths".
+            draft_tokens: K, draft depth (maximum depth when adaptive).
+            tau: Confidence threshold of the adaptive modes.
+            paths: P, first-token candidates of "paths" mode.
+            stop: Stop string(s); the text is cut before the first one.
+            trace: Record every verify step in ``result.trace``.
+            tree_pos2: "tree" mode adds the branch at draft position 2.
+
+        Returns:
+            A `GenerationResult`.
+
+        Raises:
+            ValueError: Bad parameters, an empty prompt, or
+                `PromptTooLongError` for a prompt over the context.
+        """
+        spec = DecodeConfig(
+            mode=mode, draft_tokens=draft_tokens, tau=tau, paths=paths, tree_pos2=tree_pos2
+        )
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        stops = _stop_list(stop)
+        ids = self.encode(prompt)
+        if len(ids) >= self.context_length:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; the model's context is {self.context_length}"
+            )
+        max_tokens = min(max_tokens, self.context_length - len(ids))
+
+        stats = GenerationStats(mode=spec.mode, prompt_tokens=len(ids), **spec.stats_params())
+        stats.histogram = [0] * (spec.draft_tokens + 1) if spec.speculative else []
+        stats.row_wins = [0] * spec.max_paths if spec.speculative else []
+        finisher = _Finisher(self.tokenizer, self.eos_token_ids, max_tokens, stops)
+        steps: list[StepTrace] | None = [] if trace else None
+
+        t0 = time.perf_counter()
+        caches = make_main_cache(self.model)
+        if spec.speculative:
+            prompt_hidden, x = self._prefill(ids, caches, keep_hidden=True)
+        else:
+            _, x = self._prefill(ids, caches, keep_hidden=False)
+        t1 = time.perf_counter()
+        finisher.add([x])
+        if not finisher.done:
+            if spec.speculative:
+                self._speculate(spec, ids, prompt_hidden, x, caches, finisher, stats, steps)
+            else:
+                self._plain(x, caches, finisher, stats)
+        t2 = time.perf_counter()
+
+        stats.prefill_s = t1 - t0
+        stats.decode_s = t2 - t1
+        stats.generated_tokens = len(finisher.tokens)
+        return GenerationResult(
+            tokens=finisher.tokens,
+            text=finisher.text(),
+            finish_reason=finisher.reason or "length",
+            stats=stats,
+            prompt_tokens=ids,
+            trace=steps,
+        )
+
+    def _prefill(self, ids: list[int], caches: list, keep_hidden: bool):
+        """Feed the prompt as mlx-lm's ``generate_step`` does (chunks of all but
+        the last token, then the last token alone).
+
+        Returns:
+            ``(hidden, x)``: the prompt's final-normed hiddens ``[1, n, dim]``
+            (None unless ``keep_hidden``) and the first generated token.
+        """
+        trunk = self.model.model
+        prompt = mx.array(ids)
+        hiddens = []
+        while prompt.size > 1:
+            n = min(self.prefill_step_size, prompt.size - 1)
+            h = trunk(prompt[:n][None], cache=caches)
+            if keep_hidden:
+                hiddens.append(h)
+                mx.eval(h, [c.state for c in caches])
+            else:
+                mx.eval([c.state for c in caches])
+            prompt = prompt[n:]
+            mx.clear_cache()
+        h = trunk(prompt[None], cache=caches)
+        x = greedy_tokens(self.lm_head(h[:, -1, :]))
+        hiddens.append(h)
+        hidden = mx.concatenate(hiddens, axis=1) if keep_hidden else None
+        mx.eval(x, hidden) if keep_hidden else mx.eval(x)
+        return hidden, int(x.item())
+
+    def _plain(self, x: int, caches: list, finisher: _Finisher, stats: GenerationStats) -> None:
+        """Plain greedy decoding, pipelined like mlx-lm's ``generate_step``."""
+        model = self.model
+
+        def step(token: mx.array) -> mx.array:
+            return greedy_tokens(model(token.reshape(1, 1), cache=caches)[:, -1, :])
+
+        y = mx.array([x])
+        while True:
+            next_y = step(y)
+            mx.async_eval(next_y)
+            stats.steps += 1
+            stats.histogram = []
+            token = int(next_y.item())
+            finisher.add([token])
+            if finisher.done:
+                return
+            y = next_y
+            if stats.steps % 256 == 0:
+                mx.clear_cache()
+
+    def _speculate(self, spec, ids, prompt_hidden, x, caches, finisher, stats, steps) -> None:
+        drafter = self.drafter
+        state = drafter.new_state()
+        # Pairs (H_0, t_1) .. (H_{n-1}, x): the prompt's MTP prefill and the
+        # first draft's input, consumed by the first draft forward.
+        drafter.set_pending(state, prompt_hidden, ids[1:] + [x])
+        while True:
+            # Never draft past max_tokens: with one token left, verify x alone.
+            depth = finisher.remaining - 1
+            drafted = spec.propose(drafter, state, depth) if depth >= 1 else [[]]
+            out = self._verify(caches, x, drafted)
+            stats.steps += 1
+            stats.drafted += len(drafted[out.row])
+            stats.accepted += out.accepted
+            stats.histogram[out.accepted] += 1
+            stats.row_wins[out.row] += 1
+            stats.rescued += out.row > 0
+            if steps is not None:
+                steps.append(StepTrace(drafted, out.accepted, out.row, out.emitted))
+            finisher.add(out.emitted)
+            if finisher.done:
+                return
+            drafter.commit(state, out.hidden, out.emitted)
+            x = out.emitted[-1]
+
+    def _verify(self, caches: list, x: int, paths: list[list[int]]) -> VerifyOutcome:
+        """One trunk forward over ``[x, path]`` for every path; commit the
+        winning row's accepted prefix."""
+        n_paths, width = len(paths), len(paths[0]) + 1
+        snaps = None if self.use_checkpoints else snapshot(caches)
+        if n_paths > 1:
+            tile_caches(caches, n_paths)
+        if self.use_checkpoints:
+            for c in caches:
+                if isinstance(c, CheckpointArraysCache):
+                    c.begin_capture()
+        inputs = mx.array([[x] + p for p in paths])  # [P, K+1]
+        hidden = self.model.model(inputs, cache=caches)  # [P, K+1, dim]
+        targets = greedy_tokens(self.lm_head(hidden)).tolist()  # [P][K+1]
+
+        best_row, best_n = 0, -1
+        for r, (path, g) in enumerate(zip(paths, targets)):
+            n = accepted_prefix(path, g)
+            if n > best_n:
+                best_row, best_n = r, n
+        path, g = paths[best_row], targets[best_row]
+        emitted = path[:best_n] + [g[best_n]]
+        keep = best_n + 1
+
+        if n_paths > 1:
+            committed = commit_tree_row(caches, width, keep, best_row)
+        else:
+            committed = commit_verified_prefix(caches, width, keep)
+        if not committed:
+            commit_by_replay(self.model.model, caches, snaps, mx.array([[x] + path[:best_n]]))
+            mx.eval([c.state for c in caches])
+        return VerifyOutcome(best_row, best_n, emitted, hidden[best_row : best_row + 1, :keep])
+
+
+def _stop_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
+    if any(s == "" for s in stop):
+        raise ValueError("stop strings must not be empty")
+    return list(stop)

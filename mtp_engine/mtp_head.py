@@ -1,0 +1,97 @@
+"""The Qwen3-Next multi-token-prediction head.
+
+Index convention: at position ``i`` the head consumes ``(H_i, t_{i+1})``, the
+main model's final-normed hidden state and the next token, and predicts
+``t_{i+2}``. It returns its own final-normed hidden ``M_i``, which the next
+draft step uses in place of a main hidden.
+
+Checkpoint layout (keys under ``mtp.``): ``pre_fc_norm_embedding``,
+``pre_fc_norm_hidden``, ``fc`` (2H -> H, input ``[norm_emb(e), norm_hid(h)]``,
+embedding first), ``layers.{j}`` (full-attention decoder layers with the MoE
+block) and ``norm``. The embedding and LM head are the main model's. With
+``mtp_num_hidden_layers > 1`` the layers are applied one after another.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3_next import (
+    ModelArgs,
+    Qwen3NextAttention,
+    Qwen3NextMLP,
+    Qwen3NextSparseMoeBlock,
+)
+
+
+class MTPDecoderLayer(nn.Module):
+    """Full-attention decoder layer, the same blocks as the main model's."""
+
+    def __init__(self, args: ModelArgs, sparse: bool):
+        super().__init__()
+        self.self_attn = Qwen3NextAttention(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(
+            args.hidden_size, eps=args.rms_norm_eps
+        )
+        if sparse:
+            self.mlp = Qwen3NextSparseMoeBlock(args)
+        else:
+            self.mlp = Qwen3NextMLP(args.hidden_size, args.intermediate_size)
+
+    def __call__(self, x: mx.array, mask, cache) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MTPHead(nn.Module):
+    """MTP head of a Qwen3-Next checkpoint.
+
+    Args:
+        args: The main model's arguments (shapes, norms, attention, experts).
+        num_layers: ``mtp_num_hidden_layers`` of the checkpoint.
+        sparse: Whether the head's layers use the MoE block (as the released
+            checkpoints do) or a dense MLP.
+    """
+
+    def __init__(self, args: ModelArgs, num_layers: int = 1, sparse: bool = True):
+        super().__init__()
+        if num_layers < 1:
+            raise ValueError(f"mtp_num_hidden_layers must be >= 1, got {num_layers}")
+        dim, eps = args.hidden_size, args.rms_norm_eps
+        self.pre_fc_norm_embedding = nn.RMSNorm(dim, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(dim, eps=eps)
+        self.fc = nn.Linear(2 * dim, dim, bias=False)
+        self.layers = [MTPDecoderLayer(args, sparse) for _ in range(num_layers)]
+        self.norm = nn.RMSNorm(dim, eps=eps)
+
+    def make_cache(self) -> list[KVCache]:
+        return [KVCache() for _ in self.layers]
+
+    def __call__(
+        self, hidden: mx.array, embeddings: mx.array, cache: list[KVCache] | None
+    ) -> mx.array:
+        """Run the head.
+
+        Args:
+            hidden: Final-normed hiddens ``H_i`` (or ``M_i``), ``[B, L, dim]``.
+            embeddings: Embeddings of the tokens ``t_{i+1}``, ``[B, L, dim]``.
+            cache: One KV cache per layer; its offset is the position ``i``.
+
+        Returns:
+            The head's final-normed hidden ``M``, ``[B, L, dim]``; the main
+            model's LM head turns it into logits for ``t_{i+2}``.
+        """
+        x = mx.concatenate(
+            [self.pre_fc_norm_embedding(embeddings), self.pre_fc_norm_hidden(hidden)],
+            axis=-1,
+        )
+        x = self.fc(x)
+        if cache is None:
+            cache = [None] * len(self.layers)
+        mask = create_attention_mask(x, cache[0])
+        for layer, c in zip(self.layers, cache):
+            x = layer(x, mask, c)
+        return self.norm(x)

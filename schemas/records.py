@@ -1,0 +1,108 @@
+"""Result records of one generation.
+
+The engine fills them; the job runner turns them into Arrow rows. Vocabulary
+(the same everywhere): a *verify step* is one forward of the main model over
+drafted tokens; *drafted* counts draft tokens proposed to it (of the row that
+was committed), *accepted* those that matched greedy decoding, and the
+*acceptance length* is the number of tokens emitted per verify step
+(accepted drafts plus the bonus token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Acceptance statistics and timings of one `generate` call.
+
+    Attributes:
+        mode: Decoding mode that produced the tokens.
+        draft_tokens: K, the maximum draft depth (0 for baseline).
+        paths: Number of candidate paths verified per step (1 for chains).
+        tau: Confidence threshold of the adaptive modes, else None.
+        steps: Verify steps (main-model forwards after prefill).
+        drafted: Draft tokens proposed in the committed rows.
+        accepted: Draft tokens accepted.
+        histogram: ``histogram[n]`` counts steps that accepted n drafts.
+        rescued: Steps won by a row other than the first (tree modes).
+        row_wins: ``row_wins[r]`` counts steps won by row r (tree modes).
+        prompt_tokens: Length of the prompt in tokens.
+        generated_tokens: Tokens returned to the caller.
+        prefill_s: Seconds spent on the prompt (first token included).
+        decode_s: Seconds spent after the first token.
+    """
+
+    mode: str
+    draft_tokens: int = 0
+    paths: int = 1
+    tau: float | None = None
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    histogram: list[int] = field(default_factory=list)
+    rescued: int = 0
+    row_wins: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens emitted per verify step (1.0 for plain decoding)."""
+        if self.steps == 0:
+            return 0.0
+        return (self.accepted + self.steps) / self.steps
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens per second after the first token."""
+        if self.decode_s <= 0 or self.generated_tokens <= 1:
+            return 0.0
+        return (self.generated_tokens - 1) / self.decode_s
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["acceptance_length"] = self.acceptance_length
+        return d
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """One verify step, for debugging acceptance.
+
+    Attributes:
+        drafts: Drafted token ids, one list per verified path.
+        accepted: Drafts accepted on the winning row.
+        row: Index of the winning row.
+        emitted: Tokens this step emitted (accepted drafts plus the bonus).
+    """
+
+    drafts: list[list[int]]
+    accepted: int
+    row: int
+    emitted: list[int]
+
+
+@dataclass
+class GenerationResult:
+    """Output of `MTPEngine.generate`.
+
+    Attributes:
+        tokens: Generated token ids (prompt and EOS excluded; a stop string's
+            tokens are kept, the text is cut before it).
+        text: Decoded completion.
+        finish_reason: ``"stop"`` (EOS or stop string) or ``"length"``.
+        stats: Acceptance statistics and timings.
+        prompt_tokens: The prompt's token ids as decoded.
+        trace: Per-step records when ``trace=True`` was passed, else None.
+    """
+
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    stats: GenerationStats
+    prompt_tokens: list[int] = field(default_factory=list)
+    trace: list[StepTrace] | None = None
