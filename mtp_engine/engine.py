@@ -31,6 +31,7 @@ from mtp_engine.drafter import MTPDrafter
 from mtp_engine.loader import LoadedCheckpoint, load_checkpoint
 from mtp_engine.modes import DecodeConfig
 from mtp_engine.recurrent import CheckpointArraysCache, make_main_cache
+from mtp_engine.stopping import Finisher, stop_list
 from schemas.records import GenerationResult, GenerationStats, StepTrace
 
 
@@ -70,57 +71,6 @@ def accepted_prefix(draft: list[int], targets: list[int]) -> int:
             break
         n += 1
     return n
-
-
-class _Finisher:
-    """Collects emitted tokens and decides when generation ends."""
-
-    def __init__(self, tokenizer, eos: set[int], max_tokens: int, stop: list[str]):
-        self.tokenizer = tokenizer
-        self.eos = eos
-        self.max_tokens = max_tokens
-        self.stop = stop
-        self.tokens: list[int] = []
-        self.reason: str | None = None
-        self._detok = tokenizer.detokenizer if stop else None
-        if self._detok is not None:
-            self._detok.reset()
-        self._longest_stop = max((len(s) for s in stop), default=0)
-
-    @property
-    def done(self) -> bool:
-        return self.reason is not None
-
-    @property
-    def remaining(self) -> int:
-        return self.max_tokens - len(self.tokens)
-
-    def add(self, tokens: list[int]) -> None:
-        for t in tokens:
-            if self.done:
-                return
-            if t in self.eos:
-                self.reason = "stop"
-                return
-            self.tokens.append(t)
-            if self._detok is not None:
-                before = len(self._detok.text)
-                self._detok.add_token(t)
-                text = self._detok.text
-                window = text[max(0, before - self._longest_stop) :]
-                if any(s in window for s in self.stop):
-                    self.reason = "stop"
-                    return
-            if len(self.tokens) >= self.max_tokens:
-                self.reason = "length"
-
-    def text(self) -> str:
-        text = self.tokenizer.decode(self.tokens)
-        if self.stop:
-            cuts = [i for s in self.stop if (i := text.find(s)) >= 0]
-            if cuts:
-                text = text[: min(cuts)]
-        return text
 
 
 class MTPEngine:
@@ -192,6 +142,14 @@ class MTPEngine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
         return list(prompt)
 
+    def check_prompt(self, ids: list[int]) -> list[int]:
+        """Raise `PromptTooLongError` unless ``ids`` leaves room to generate."""
+        if len(ids) >= self.context_length:
+            raise PromptTooLongError(
+                f"prompt has {len(ids)} tokens; the model's context is {self.context_length}"
+            )
+        return ids
+
     # -- generation ------------------------------------------------------------
 
     def generate(
@@ -233,18 +191,14 @@ class MTPEngine:
         )
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
-        stops = _stop_list(stop)
-        ids = self.encode(prompt)
-        if len(ids) >= self.context_length:
-            raise PromptTooLongError(
-                f"prompt has {len(ids)} tokens; the model's context is {self.context_length}"
-            )
+        stops = stop_list(stop)
+        ids = self.check_prompt(self.encode(prompt))
         max_tokens = min(max_tokens, self.context_length - len(ids))
 
         stats = GenerationStats(mode=spec.mode, prompt_tokens=len(ids), **spec.stats_params())
         stats.histogram = [0] * (spec.draft_tokens + 1) if spec.speculative else []
         stats.row_wins = [0] * spec.max_paths if spec.speculative else []
-        finisher = _Finisher(self.tokenizer, self.eos_token_ids, max_tokens, stops)
+        finisher = Finisher(self.tokenizer, self.eos_token_ids, max_tokens, stops)
         steps: list[StepTrace] | None = [] if trace else None
 
         t0 = time.perf_counter()
@@ -302,7 +256,7 @@ class MTPEngine:
         mx.eval(x, hidden) if keep_hidden else mx.eval(x)
         return hidden, int(x.item())
 
-    def _plain(self, x: int, caches: list, finisher: _Finisher, stats: GenerationStats) -> None:
+    def _plain(self, x: int, caches: list, finisher: Finisher, stats: GenerationStats) -> None:
         """Plain greedy decoding, pipelined like mlx-lm's ``generate_step``."""
         model = self.model
 
@@ -380,15 +334,3 @@ class MTPEngine:
             commit_by_replay(self.model.model, caches, snaps, mx.array([[x] + path[:best_n]]))
             mx.eval([c.state for c in caches])
         return VerifyOutcome(best_row, best_n, emitted, hidden[best_row : best_row + 1, :keep])
-
-
-def _stop_list(stop) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-        raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
-    if any(s == "" for s in stop):
-        raise ValueError("stop strings must not be empty")
-    return list(stop)

@@ -1,0 +1,112 @@
+"""Command line: ``python -m jobs generate|status ...``.
+
+The CLI only parses: it builds a `JobConfig` (flags over a YAML/JSON config
+file over defaults) and calls the runner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from jobs.config import JOB_MODES, ConfigError, JobConfig, read_config_file
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m jobs",
+        description="Batch generation with lossless MTP speculative decoding on MLX.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser(
+        "generate",
+        help="run or resume a generation job",
+        description=(
+            "Generate a completion for every row of a prompt dataset and write them as Arrow "
+            "shards that datasets.load_from_disk reads. Running the same command again resumes: "
+            "rows already committed are skipped, rows in flight at a crash are redone."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g.add_argument("--config", help="YAML or JSON file with any of the settings below (flags override it)")
+    g.add_argument("--dataset", help="prompt file (.jsonl .json .csv .parquet .arrow), glob, or save_to_disk folder")
+    g.add_argument("--model", help="Qwen3-Next checkpoint folder with its MTP head")
+    g.add_argument("--output", help="output folder (created; resumed if it holds this job)")
+    g.add_argument("--mode", choices=JOB_MODES, help="decoding mode; 'batch' = continuous batching, no speculation (default: chain)")
+    g.add_argument("--draft-tokens", type=int, help="K: draft depth (default: 3)")
+    g.add_argument("--paths", type=int, help="P: candidate first tokens in 'paths' mode (default: 2)")
+    g.add_argument("--tau", type=float, help="confidence threshold of the adaptive modes (default: 0.5)")
+    g.add_argument("--max-tokens", type=int, help="tokens per completion unless a row sets max_tokens (default: 256)")
+    g.add_argument("--stop", action="append", help="stop string (repeatable) unless a row sets stop")
+    g.add_argument("--batch-size", type=int, help="rows decoded at once in 'batch' mode (default: 8)")
+    g.add_argument("--rows-per-shard", type=int, help="rows per committed shard (default: 256)")
+    g.add_argument("--commit-seconds", type=float, help="commit finished rows at least this often (default: 300)")
+    g.add_argument("--prompt-field", help="field holding the prompt string (default: prompt)")
+    g.add_argument("--messages-field", help="field holding chat messages (default: messages)")
+    g.add_argument("--id-field", help="field holding the row id; rows without it use their row number (default: id)")
+    g.add_argument("--system-prompt", help="system message prepended to chat rows that have none")
+    g.add_argument("--limit", type=int, help="only the first N rows of the dataset")
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        default=None,
+        help="delete the output folder's results and start over (needed when the model, "
+        "template or decoding parameters changed)",
+    )
+
+    s = sub.add_parser("status", help="summarise a job's output folder")
+    s.add_argument("output", help="output folder of a job")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> JobConfig:
+    file_values = read_config_file(args.config) if args.config else {}
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    return JobConfig.from_sources(file_values, flags)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "status":
+        from jobs.status import print_status
+
+        return print_status(Path(args.output))
+    return EXIT_USAGE
+
+
+def _generate(args) -> int:
+    try:
+        config = config_from_args(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    from jobs.distributed import run_distributed_or_local
+    from jobs.output import OutputError
+    from jobs.readers import DatasetError
+    from mtp_engine import CheckpointError
+
+    try:
+        summary = run_distributed_or_local(config)
+    except (FileNotFoundError, CheckpointError, DatasetError, OutputError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    from jobs.runner import resume_hint
+
+    rate = f", {summary.tokens / summary.elapsed_s:.1f} tok/s" if summary.elapsed_s > 0 else ""
+    print(
+        f"{'interrupted' if summary.interrupted else 'done'}: {summary.done}"
+        f"{'/' + str(summary.total) if summary.total is not None else ''} rows committed "
+        f"({summary.committed} this run, {summary.errors} errors, {summary.tokens} tokens){rate}",
+        file=sys.stderr,
+    )
+    print(f"output: {summary.output}  (datasets.load_from_disk({str(summary.output)!r}))", file=sys.stderr)
+    if summary.interrupted:
+        print(f"resume with: {resume_hint()}", file=sys.stderr)
+        return EXIT_SIGTERM if summary.interrupted == "SIGTERM" else EXIT_SIGINT
+    return EXIT_OK

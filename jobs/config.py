@@ -1,0 +1,219 @@
+"""Job configuration: one validated dataclass, built by the CLI (flags over a
+YAML/JSON config file over defaults) and fingerprinted for resume."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from mtp_engine.modes import MODES
+from schemas.arrow import SCHEMA_VERSION
+
+JOB_MODES = MODES + ("batch",)
+
+
+class ConfigError(ValueError):
+    """A bad job configuration value, named with the value."""
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Everything a generation job needs.
+
+    Attributes:
+        dataset: Prompt file, glob of files, or ``save_to_disk`` folder.
+        model: Checkpoint folder.
+        output: Output folder (created; resumed when it exists).
+        mode: A decoding mode of the engine, or "batch" (continuous batching
+            with mlx-lm's BatchGenerator, no speculation).
+        draft_tokens: K.
+        paths: P (mode "paths").
+        tau: Confidence threshold (adaptive modes).
+        max_tokens: Default token budget per row (rows may override).
+        stop: Default stop strings (rows may override).
+        batch_size: Rows decoded at once in batch mode.
+        rows_per_shard: Rows per committed shard.
+        commit_seconds: Commit a shard at least this often when rows are done.
+        prompt_field: Field holding a prompt string.
+        messages_field: Field holding chat messages.
+        id_field: Field holding the row id (else the row number is used).
+        system_prompt: System message prepended to chat rows without one.
+        overwrite: Delete an existing output folder's results and start over.
+        limit: Process only the first ``limit`` rows of the dataset.
+    """
+
+    dataset: str
+    model: str
+    output: str
+    mode: str = "chain"
+    draft_tokens: int = 3
+    paths: int = 2
+    tau: float = 0.5
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    batch_size: int = 8
+    rows_per_shard: int = 256
+    commit_seconds: float = 300.0
+    prompt_field: str = "prompt"
+    messages_field: str = "messages"
+    id_field: str = "id"
+    system_prompt: str | None = None
+    overwrite: bool = False
+    limit: int | None = None
+
+    def __post_init__(self):
+        for name in ("dataset", "model", "output", "prompt_field", "messages_field", "id_field"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{name} must be a non-empty string, got {value!r}")
+        if self.mode not in JOB_MODES:
+            raise ConfigError(f"mode must be one of {', '.join(JOB_MODES)}; got {self.mode!r}")
+        _positive_int("draft_tokens", self.draft_tokens, 16)
+        _positive_int("paths", self.paths, 8)
+        _positive_int("max_tokens", self.max_tokens)
+        _positive_int("batch_size", self.batch_size, 1024)
+        _positive_int("rows_per_shard", self.rows_per_shard)
+        if self.limit is not None:
+            _positive_int("limit", self.limit)
+        if not isinstance(self.tau, (int, float)) or not 0.0 < self.tau <= 1.0:
+            raise ConfigError(f"tau must be in (0, 1], got {self.tau!r}")
+        if not isinstance(self.commit_seconds, (int, float)) or self.commit_seconds <= 0:
+            raise ConfigError(f"commit_seconds must be > 0, got {self.commit_seconds!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise ConfigError(f"system_prompt must be a string, got {self.system_prompt!r}")
+
+    @classmethod
+    def from_sources(cls, file_values: dict, flag_values: dict) -> "JobConfig":
+        """Merge defaults < config file < flags (None flags are unset)."""
+        known = {f.name for f in fields(cls)}
+        merged: dict = {}
+        for source, values in (("config file", file_values), ("flags", flag_values)):
+            for key, value in values.items():
+                name = key.replace("-", "_")
+                if name not in known:
+                    raise ConfigError(f"unknown key {key!r} in {source}")
+                if value is not None:
+                    merged[name] = value
+        missing = [k for k in ("dataset", "model", "output") if k not in merged]
+        if missing:
+            raise ConfigError(f"missing required setting(s): {', '.join(missing)}")
+        if "stop" in merged and isinstance(merged["stop"], list):
+            merged["stop"] = tuple(merged["stop"])
+        return cls(**merged)
+
+    @property
+    def speculative(self) -> bool:
+        return self.mode != "batch"
+
+    def decoding(self) -> dict:
+        """The decoding parameters that shape the output (fingerprinted)."""
+        d = {"mode": self.mode, "max_tokens": self.max_tokens, "stop": list(self.stop)}
+        if self.mode == "batch":
+            d["batch_size"] = self.batch_size
+        elif self.mode != "baseline":
+            d["draft_tokens"] = self.draft_tokens
+            if self.mode == "paths":
+                d["paths"] = self.paths
+            if self.mode in ("adaptive", "adaptive_tree"):
+                d["tau"] = self.tau
+        return d
+
+    def rendering(self) -> dict:
+        """How rows become prompts (fingerprinted)."""
+        return {
+            "prompt_field": self.prompt_field,
+            "messages_field": self.messages_field,
+            "id_field": self.id_field,
+            "system_prompt": self.system_prompt,
+            "add_generation_prompt": True,
+        }
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["stop"] = list(self.stop)
+        return d
+
+
+def _positive_int(name: str, value, most: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if most is not None and value > most:
+        raise ConfigError(f"{name} must be at most {most}, got {value!r}")
+
+
+def read_config_file(path: str | Path) -> dict:
+    """Read a YAML (.yaml/.yml) or JSON config file into a dict."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = p.read_text()
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # yaml and json raise different types
+        raise ConfigError(f"cannot parse config file {str(path)!r}: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping, got {type(data).__name__}")
+    return data
+
+
+def model_identity(model_dir: str | Path) -> dict:
+    """What identifies a model for resume: config, tokenizer and weight headers.
+
+    Hashes ``config.json``, the tokenizer files and every safetensors file's
+    name, size and header (tensor names, dtypes, shapes, offsets); not the
+    weights themselves, which can be many gigabytes.
+    """
+    folder = Path(model_dir).expanduser().resolve()
+    h = hashlib.sha256()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        p = folder / name
+        if p.exists():
+            h.update(name.encode() + b"\0" + p.read_bytes())
+    for p in sorted(folder.glob("*.safetensors")):
+        with open(p, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = f.read(size)
+        h.update(p.name.encode() + b"\0" + str(p.stat().st_size).encode() + header)
+    revision = folder.name if folder.parent.name == "snapshots" else None
+    return {"name": folder.name, "revision": revision, "sha256": h.hexdigest()[:16]}
+
+
+def fingerprint_parts(config: JobConfig, model_id: dict, chat_template: str | None) -> dict:
+    template_sha = hashlib.sha256((chat_template or "").encode()).hexdigest()[:16]
+    return {
+        "model": model_id["sha256"],
+        "rendering": {**config.rendering(), "chat_template_sha256": template_sha},
+        "decoding": config.decoding(),
+        "schema_version": SCHEMA_VERSION,
+    }
+
+
+def fingerprint(parts: dict) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def describe_changes(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Human-readable differences between two fingerprint part dicts."""
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += describe_changes(a, b, name + ".")
+        elif a != b:
+            changes.append(f"{name}: {a!r} -> {b!r}")
+    return changes

@@ -1,0 +1,85 @@
+"""Progress of a job: a bar on a terminal, plain log lines otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+class Progress:
+    """Reports rows done, tokens/s, acceptance length and ETA.
+
+    Args:
+        total: Rows to do in this run (None if unknown).
+        done: Rows already done before this run.
+        stream: Where to write (default stderr).
+        interval: Seconds between log lines when not on a terminal.
+    """
+
+    def __init__(self, total: int | None, done: int = 0, stream=None, interval: float = 10.0):
+        self.stream = stream or sys.stderr
+        self.total = total
+        self.done = done
+        self.errors = 0
+        self.tokens = 0
+        self.steps = 0
+        self.accepted = 0
+        self.started = time.perf_counter()
+        self.interval = interval
+        self._last_log = 0.0
+        self._rows_this_run = 0
+        self._bar = None
+        if self.stream.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=done, unit="row", file=self.stream, dynamic_ncols=True)
+
+    def update(self, *, error: bool, tokens: int = 0, steps: int = 0, accepted: int = 0) -> None:
+        self.done += 1
+        self._rows_this_run += 1
+        self.errors += error
+        self.tokens += tokens
+        self.steps += steps
+        self.accepted += accepted
+        if self._bar is not None:
+            self._bar.set_postfix_str(self._postfix(), refresh=False)
+            self._bar.update(1)
+            return
+        now = time.perf_counter()
+        if now - self._last_log >= self.interval or (self.total and self.done >= self.total):
+            self._last_log = now
+            self.log(self.line())
+
+    def _postfix(self) -> str:
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        parts = [f"{self.tokens / elapsed:.1f} tok/s"]
+        if self.steps:
+            parts.append(f"AL {(self.accepted + self.steps) / self.steps:.2f}")
+        if self.errors:
+            parts.append(f"{self.errors} errors")
+        return ", ".join(parts)
+
+    def line(self) -> str:
+        elapsed = time.perf_counter() - self.started
+        total = f"/{self.total}" if self.total is not None else ""
+        pct = f" ({100 * self.done / self.total:.1f}%)" if self.total else ""
+        eta = ""
+        if self.total and self._rows_this_run:
+            left = (self.total - self.done) * elapsed / self._rows_this_run
+            eta = f" | ETA {_clock(left)}"
+        return f"rows {self.done}{total}{pct} | {self._postfix()}{eta} | elapsed {_clock(elapsed)}"
+
+    def log(self, message: str) -> None:
+        if self._bar is not None:
+            self._bar.write(message, file=self.stream)
+        else:
+            print(message, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

@@ -1,0 +1,151 @@
+"""Turn input rows into generation requests, or into error rows.
+
+A row gives either a ``prompt`` string (used as is) or chat ``messages``
+(rendered with the tokenizer's chat template, ``add_generation_prompt=True``).
+Optional per-row fields ``max_tokens`` and ``stop`` override the job's.
+Every problem becomes one error row with a kind and a message; nothing here
+raises for bad input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jobs.config import JobConfig
+from jobs.readers import SourceRow
+
+
+@dataclass(frozen=True)
+class Request:
+    """A row ready to generate."""
+
+    id: str
+    index: int
+    line: int | None
+    prompt: str
+    prompt_ids: list[int]
+    max_tokens: int
+    stop: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RowError:
+    """A row that yields an error row."""
+
+    id: str
+    index: int
+    line: int | None
+    kind: str
+    message: str
+    prompt: str | None = None
+
+
+class Preparer:
+    """Renders rows for one job; remembers ids to refuse duplicates.
+
+    Args:
+        config: The job's configuration.
+        tokenizer: mlx-lm ``TokenizerWrapper`` of the model.
+        context_length: The model's context, in tokens.
+    """
+
+    def __init__(self, config: JobConfig, tokenizer, context_length: int):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.seen: set[str] = set()
+
+    def row_id(self, row: SourceRow) -> tuple[str, str | None]:
+        """The row's id and, if it is unusable, why."""
+        data = row.data or {}
+        raw = data.get(self.config.id_field)
+        if raw is None:
+            return str(row.index), None
+        if isinstance(raw, bool) or not isinstance(raw, (str, int)):
+            return str(row.index), f"id field {self.config.id_field!r} holds a {type(raw).__name__}"
+        return str(raw), None
+
+    def claim_id(self, row: SourceRow) -> tuple[str, RowError | None]:
+        """Register the row's id. Every row, done or not, must pass here in
+        dataset order, so duplicate handling is the same on every run."""
+        rid, problem = self.row_id(row)
+        if problem is None and rid in self.seen:
+            dup = f"{rid}#dup-row-{row.index}"
+            self.seen.add(dup)
+            return dup, self._error(row, dup, "duplicate_id", f"id {rid!r} already used by an earlier row")
+        self.seen.add(rid)
+        if problem is not None:
+            return rid, self._error(row, rid, "invalid_id", problem)
+        return rid, None
+
+    def prepare(self, row: SourceRow, rid: str) -> Request | RowError:
+        """Render and tokenize one row."""
+        if row.error is not None:
+            kind, _, message = row.error.partition(": ")
+            return self._error(row, rid, kind, message)
+        data = row.data
+        cfg = self.config
+        messages = data.get(cfg.messages_field)
+        if messages is not None:
+            prompt = self._render_messages(messages)
+            if isinstance(prompt, tuple):
+                return self._error(row, rid, *prompt)
+        else:
+            if cfg.prompt_field not in data:
+                return self._error(
+                    row, rid, "missing_prompt",
+                    f"row has neither {cfg.prompt_field!r} nor {cfg.messages_field!r}",
+                )
+            prompt = data[cfg.prompt_field]
+            if not isinstance(prompt, str):
+                return self._error(
+                    row, rid, "invalid_prompt",
+                    f"{cfg.prompt_field!r} must be a string, got {type(prompt).__name__}",
+                )
+            if not prompt.strip():
+                return self._error(row, rid, "empty_prompt", f"{cfg.prompt_field!r} is empty")
+
+        max_tokens = data.get("max_tokens", cfg.max_tokens)
+        if max_tokens is None:
+            max_tokens = cfg.max_tokens
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            return self._error(row, rid, "invalid_field", f"max_tokens must be a positive integer, got {max_tokens!r}", prompt)
+        stop = data.get("stop", None)
+        if stop is None:
+            stop = cfg.stop
+        elif isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            return self._error(row, rid, "invalid_field", f"stop must be a string or a list of non-empty strings, got {stop!r}", prompt)
+
+        ids = list(self.tokenizer.encode(prompt))
+        if not ids:
+            return self._error(row, rid, "empty_prompt", "prompt encodes to no tokens", prompt)
+        if len(ids) >= self.context_length:
+            return self._error(
+                row, rid, "prompt_too_long",
+                f"prompt has {len(ids)} tokens; the model's context is {self.context_length}",
+                prompt,
+            )
+        return Request(rid, row.index, row.line, prompt, ids, max_tokens, tuple(stop))
+
+    def _render_messages(self, messages) -> str | tuple[str, str]:
+        if not isinstance(messages, list) or not messages:
+            return "invalid_messages", f"{self.config.messages_field!r} must be a non-empty list of messages"
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                return "invalid_messages", f"message {i} must be an object with string 'role' and 'content'"
+        if self.config.system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.config.system_prompt}] + messages
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as e:  # jinja errors from the model's own template
+            return "template_error", f"chat template failed: {e}"
+
+    @staticmethod
+    def _error(row: SourceRow, rid: str, kind: str, message: str, prompt: str | None = None) -> RowError:
+        if row.line is not None and row.data is None and "line" not in message:
+            message = f"line {row.line}: {message}"
+        return RowError(rid, row.index, row.line, kind, message, prompt)

@@ -1,0 +1,313 @@
+"""The job loop: rows in, completions out, committed in shards.
+
+The runner knows nothing about caches or drafts: it asks the engine for one
+completion at a time (speculative modes) or drives the engine's batch decoder
+(mode "batch"). A row is committed only inside a shard; rows in flight when
+the process dies are redone on the next run, done ids are skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import mlx.core as mx
+
+from jobs.config import JobConfig, fingerprint, fingerprint_parts, model_identity
+from jobs.output import OutputFolder, writer_name
+from jobs.progress import Progress
+from jobs.prompts import Preparer, Request, RowError
+from jobs.readers import PromptSource
+from mtp_engine import MTPEngine
+from mtp_engine.batch import BatchDecoder
+from schemas.arrow import SCHEMA_VERSION, completion_row, error_row
+
+
+@dataclass
+class JobSummary:
+    """What a run did.
+
+    Attributes:
+        output: The output folder.
+        total: Rows of the dataset for this process (None if unknown).
+        done: Rows committed in total (this and earlier runs).
+        committed: Rows committed by this run.
+        errors: Error rows committed by this run.
+        tokens: Completion tokens committed by this run.
+        elapsed_s: Wall time of this run's generation loop.
+        interrupted: Name of the signal that stopped the run, if any.
+    """
+
+    output: Path
+    total: int | None
+    done: int
+    committed: int
+    errors: int
+    tokens: int
+    elapsed_s: float = 0.0
+    interrupted: str | None = None
+
+
+class StopRequest:
+    """SIGINT/SIGTERM set a flag the loop checks between rows; a second
+    SIGINT stops at once (uncommitted rows are redone on resume)."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+        print(
+            f"\n{self.signal_name}: finishing the row in flight and committing; "
+            "press Ctrl-C again to stop at once",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    @property
+    def requested(self) -> bool:
+        return self.signal_name is not None
+
+
+def row_owner(row_id: str, world: int) -> int:
+    """Rank that handles a row: a stable hash of its id."""
+    if world == 1:
+        return 0
+    return int.from_bytes(hashlib.sha1(row_id.encode()).digest()[:8], "big") % world
+
+
+class _Buffer:
+    """Finished rows waiting for their shard."""
+
+    def __init__(self, out: OutputFolder, rows_per_shard: int, commit_seconds: float):
+        self.out = out
+        self.rows: list[dict] = []
+        self.rows_per_shard = rows_per_shard
+        self.commit_seconds = commit_seconds
+        self.last_commit = time.perf_counter()
+        self.committed = self.errors = self.tokens = 0
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        due = time.perf_counter() - self.last_commit >= self.commit_seconds
+        if len(self.rows) >= self.rows_per_shard or due:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        now = time.perf_counter()
+        self.out.commit(self.rows, wall_s=now - self.last_commit)
+        self.committed += len(self.rows)
+        self.errors += sum(r["finish_reason"] == "error" for r in self.rows)
+        self.tokens += sum(r["completion_tokens"] or 0 for r in self.rows)
+        self.rows = []
+        self.last_commit = now
+
+
+def build_manifest(config: JobConfig, engine: MTPEngine, total: int | None, world: int) -> dict:
+    model_id = model_identity(config.model)
+    template = getattr(engine.tokenizer, "chat_template", None)
+    parts = fingerprint_parts(config, model_id, template)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "fingerprint": fingerprint(parts),
+        "fingerprint_parts": parts,
+        "config": config.to_dict(),
+        "model": {**model_id, "path": str(Path(config.model).expanduser().resolve())},
+        "dataset": {"path": config.dataset, "rows": total},
+        "world_size": world,
+    }
+
+
+def run_job(
+    config: JobConfig,
+    *,
+    rank: int = 0,
+    world: int = 1,
+    barrier=None,
+    engine: MTPEngine | None = None,
+    stream=None,
+) -> JobSummary:
+    """Run (or resume) a generation job.
+
+    Args:
+        config: The job.
+        rank, world: This process's place under mlx.launch (rows are split by
+            a hash of their id).
+        barrier: Called once all of this rank's rows are committed (ranks
+            wait for each other before the final views are written).
+        engine: An already loaded engine for ``config.model`` (tests).
+        stream: Where progress goes (default stderr).
+
+    Raises:
+        FileNotFoundError, ValueError (bad model, dataset or configuration),
+        FingerprintMismatch, OutputError: the job cannot run.
+    """
+    stream = stream or sys.stderr
+    engine = engine or MTPEngine.load(config.model)
+    source = PromptSource(config.dataset)
+    total = len(source)
+    if config.limit is not None:
+        total = min(total, config.limit)
+    out = OutputFolder(Path(config.output), writer_name(rank))
+    out.open(build_manifest(config, engine, total, world), overwrite=config.overwrite)
+    preparer = Preparer(config, engine.tokenizer, engine.context_length)
+    buffer = _Buffer(out, config.rows_per_shard, config.commit_seconds)
+
+    mine_total = total if world == 1 else None
+    progress = Progress(mine_total, done=len(out.done_ids) if world == 1 else 0, stream=stream)
+    progress.log(
+        f"job: {config.dataset} -> {config.output} | model {Path(config.model).name} | "
+        f"mode {config.mode} | {len(out.done_ids)} rows already done"
+    )
+
+    def finish(row: dict, steps: int = 0, accepted: int = 0) -> None:
+        buffer.add(row)
+        progress.update(
+            error=row["finish_reason"] == "error",
+            tokens=row["completion_tokens"] or 0,
+            steps=steps,
+            accepted=accepted,
+        )
+
+    started = time.perf_counter()
+    with StopRequest() as stop:
+        work = _work(source, config, preparer, out.done_ids, rank, world, stop)
+        if config.mode == "batch":
+            _run_batch(engine, config, work, finish, stop)
+        else:
+            _run_speculative(engine, config, work, finish)
+        buffer.flush()
+        progress.close()
+        if barrier is not None and not stop.requested:
+            barrier()
+            out.refresh_views()
+
+    summary = JobSummary(
+        output=out.path,
+        total=total,
+        done=len(out.done_ids),
+        committed=buffer.committed,
+        errors=buffer.errors,
+        tokens=buffer.tokens,
+        elapsed_s=time.perf_counter() - started,
+        interrupted=stop.signal_name,
+    )
+    return summary
+
+
+def _work(source, config, preparer, done_ids, rank, world, stop) -> Iterator[Request | RowError]:
+    """Rows still to do, prepared, in dataset order (stops when asked)."""
+    for row in source:
+        if config.limit is not None and row.index >= config.limit:
+            return
+        rid, error = preparer.claim_id(row)
+        if rid in done_ids or row_owner(rid, world) != rank:
+            continue
+        if stop.requested:
+            return
+        yield error if error is not None else preparer.prepare(row, rid)
+
+
+def _error_to_row(e: RowError) -> dict:
+    return error_row(id=e.id, index=e.index, line=e.line, kind=e.kind, message=e.message, prompt=e.prompt)
+
+
+def _generate_with_retry(engine: MTPEngine, config: JobConfig, req: Request):
+    """Generate; on an exception free MLX's cache and try once more."""
+    kwargs = dict(
+        max_tokens=req.max_tokens,
+        mode="baseline" if config.mode == "batch" else config.mode,
+        draft_tokens=config.draft_tokens,
+        tau=config.tau,
+        paths=config.paths,
+        stop=list(req.stop) or None,
+    )
+    for attempt in (1, 2):
+        try:
+            return engine.generate(req.prompt_ids, **kwargs), None
+        except Exception as e:  # a broken row must not end the job
+            if attempt == 2:
+                return None, f"{type(e).__name__}: {e}"
+            mx.clear_cache()
+
+
+def _request_result(req: Request, result, failure: str | None) -> dict:
+    if failure is not None:
+        return error_row(
+            id=req.id, index=req.index, line=req.line, kind="generation_failed",
+            message=failure, prompt=req.prompt,
+        )
+    return completion_row(id=req.id, index=req.index, line=req.line, prompt=req.prompt, result=result)
+
+
+def _run_speculative(engine, config, work, finish) -> None:
+    for item in work:
+        if isinstance(item, RowError):
+            finish(_error_to_row(item))
+            continue
+        result, failure = _generate_with_retry(engine, config, item)
+        stats = result.stats if result is not None else None
+        finish(
+            _request_result(item, result, failure),
+            steps=stats.steps if stats else 0,
+            accepted=stats.accepted if stats else 0,
+        )
+
+
+def _run_batch(engine, config, work, finish, stop) -> None:
+    decoder = BatchDecoder(engine, config.batch_size)
+    in_flight: dict[str, Request] = {}
+
+    def drain_one_step() -> None:
+        try:
+            finished = decoder.step()
+        except Exception:
+            # The whole batch failed: redo its rows one at a time, with a retry.
+            mx.clear_cache()
+            for key in decoder.drop_all():
+                req = in_flight.pop(key)
+                finish(_request_result(req, *_generate_with_retry(engine, config, req)))
+            return
+        for key, result in finished:
+            req = in_flight.pop(key)
+            finish(_request_result(req, result, None))
+
+    try:
+        for item in work:
+            if isinstance(item, RowError):
+                finish(_error_to_row(item))
+                continue
+            while decoder.pending >= config.batch_size:
+                drain_one_step()
+            in_flight[item.id] = item
+            decoder.add(item.id, item.prompt_ids, max_tokens=item.max_tokens, stop=list(item.stop) or None)
+        while decoder.pending and not stop.requested:
+            drain_one_step()
+        if stop.requested:
+            decoder.drop_all()  # rows in flight are redone on resume
+    finally:
+        decoder.close()
+
+
+def resume_hint() -> str:
+    return "python -m jobs " + shlex.join(sys.argv[1:])

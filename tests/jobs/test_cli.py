@@ -1,0 +1,81 @@
+"""`python -m jobs`: flags over config files, help, status, exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+
+from jobs.cli import build_parser, config_from_args, main
+from tests.jobs.conftest import prompt_rows, write_jsonl
+
+
+def parse(argv):
+    return config_from_args(build_parser().parse_args(argv))
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_config_file_with_flags_overriding(tmp_path, suffix):
+    values = {"dataset": "d.jsonl", "model": "m", "output": "o", "mode": "paths", "paths": 3,
+              "max-tokens": 64, "stop": ["\n\n"]}
+    path = tmp_path / f"job{suffix}"
+    if suffix == ".yaml":
+        import yaml
+
+        path.write_text(yaml.safe_dump(values))
+    else:
+        path.write_text(json.dumps(values))
+    cfg = parse(["generate", "--config", str(path), "--paths", "4", "--output", "other"])
+    assert (cfg.mode, cfg.paths, cfg.max_tokens, cfg.output, cfg.stop) == ("paths", 4, 64, "other", ("\n\n",))
+
+
+def test_unknown_config_key_and_missing_settings(tmp_path):
+    from jobs.config import ConfigError
+
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps({"dataset": "d", "model": "m", "output": "o", "temperature": 0.7}))
+    with pytest.raises(ConfigError, match="unknown key 'temperature'"):
+        parse(["generate", "--config", str(path)])
+    with pytest.raises(ConfigError, match="missing required setting.*model"):
+        parse(["generate", "--dataset", "d", "--output", "o"])
+
+
+def test_help_documents_every_setting(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--dataset", "--model", "--output", "--mode", "--draft-tokens", "--paths", "--tau",
+                 "--max-tokens", "--rows-per-shard", "--prompt-field", "--messages-field", "--id-field",
+                 "--system-prompt", "--config", "--batch-size", "--overwrite"):
+        assert flag in text
+
+
+def test_generate_then_status(tmp_path, job_model, capsys):
+    dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(5) + [{"id": "bad", "prompt": ""}])
+    out = tmp_path / "out"
+    code = main(["generate", "--dataset", str(dataset), "--model", str(job_model), "--output", str(out),
+                 "--max-tokens", "8", "--mode", "adaptive"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "done: 6/6 rows committed" in err and "1 errors" in err
+    assert len(datasets.load_from_disk(str(out))) == 6
+    assert main(["status", str(out)]) == 0
+    status = capsys.readouterr().out
+    assert "6/6 done (100.0%), 1 errors" in status
+    assert "acceptance length:" in status and "tokens/s" in status
+
+
+def test_job_that_cannot_run_exits_nonzero_with_the_reason(tmp_path, capsys):
+    dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(1))
+    code = main(["generate", "--dataset", str(dataset), "--model", str(tmp_path / "nomodel"), "--output", str(tmp_path / "o")])
+    assert code == 1
+    assert "nomodel" in capsys.readouterr().err
+    code = main(["generate", "--dataset", str(dataset), "--model", "m", "--output", "o", "--draft-tokens", "0"])
+    assert code == 2
+    assert "draft_tokens must be a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_status_of_a_non_job_folder(tmp_path, capsys):
+    assert main(["status", str(tmp_path)]) == 1
+    assert "not a job output folder" in capsys.readouterr().err

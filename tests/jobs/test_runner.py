@@ -1,0 +1,264 @@
+"""The job runner: error rows, refusals, batch mode, readable output, retries."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import datasets
+import pyarrow as pa
+import pytest
+
+from jobs.config import ConfigError
+from jobs.output import FingerprintMismatch, OutputError
+from jobs.runner import run_job
+from mtp_engine import MTPEngine
+from tests.jobs.conftest import PROMPT_TEXTS, job_config, prompt_rows, write_jsonl
+
+
+def load_rows(folder) -> dict:
+    ds = datasets.load_from_disk(str(folder))
+    assert len(ds["id"]) == len(set(ds["id"]))
+    return {r["id"]: r for r in ds}
+
+
+def test_each_bad_input_yields_exactly_its_error_row(tmp_path, job_model, job_engine):
+    good = [{"id": f"ok{i}", "prompt": t} for i, t in enumerate(PROMPT_TEXTS[:4])]
+    bad = [
+        {"id": "no-prompt", "text": "hello"},
+        {"id": "not-a-string", "prompt": ["a", "b"]},
+        {"id": "empty", "prompt": "   "},
+        {"id": "ok0", "prompt": "same id again"},
+        {"id": "too-long", "prompt": "x " * 3000},
+        {"id": "bad-max", "prompt": "hi", "max_tokens": -3},
+        {"id": "bad-messages", "messages": [{"role": "user"}]},
+    ]
+    chat = {"id": "chat", "messages": [{"role": "user", "content": "Write a function"}]}
+    dataset = write_jsonl(tmp_path / "in.jsonl", good[:2] + bad + [chat] + good[2:], ["{broken json", "[1, 2]"])
+    summary = run_job(job_config(dataset, job_model, tmp_path / "out"), engine=job_engine)
+    rows = load_rows(tmp_path / "out")
+    assert summary.done == len(rows) == 4 + len(bad) + 1 + 2
+    errors = {rid: r["error"].split(":")[0] for rid, r in rows.items() if r["finish_reason"] == "error"}
+    n = len(good) + len(bad)  # index of the first line after the JSON rows... computed below
+    assert errors == {
+        "no-prompt": "missing_prompt",
+        "not-a-string": "invalid_prompt",
+        "empty": "empty_prompt",
+        "ok0#dup-row-5": "duplicate_id",
+        "too-long": "prompt_too_long",
+        "bad-max": "invalid_field",
+        "bad-messages": "invalid_messages",
+        str(n + 1): "malformed_json",
+        str(n + 2): "invalid_row",
+    }
+    # Lines without an id name their line number.
+    assert "line 13" in rows[str(n + 1)]["error"] and rows[str(n + 1)]["line"] == 13
+    # Every valid row completed, with the engine's own output.
+    for r in good:
+        row = rows[r["id"]]
+        expected = job_engine.generate(r["prompt"], max_tokens=16)
+        assert row["completion"] == expected.text and row["finish_reason"] in ("stop", "length")
+        assert row["acceptance"]["mode"] == "chain" and row["acceptance"]["steps"] >= 1
+    rendered = job_engine.tokenizer.apply_chat_template(chat["messages"], add_generation_prompt=True, tokenize=False)
+    assert rows["chat"]["prompt"] == rendered and rows["chat"]["completion"] is not None
+    assert summary.errors == len(errors)
+
+
+def test_per_row_overrides(tmp_path, job_model, job_engine):
+    base = job_engine.generate(PROMPT_TEXTS[1], max_tokens=16)
+    stop = base.text[6:9]
+    rows = [
+        {"id": "short", "prompt": PROMPT_TEXTS[1], "max_tokens": 3},
+        {"id": "stop", "prompt": PROMPT_TEXTS[1], "stop": stop},
+    ]
+    run_job(job_config(write_jsonl(tmp_path / "in.jsonl", rows), job_model, tmp_path / "out"), engine=job_engine)
+    out = load_rows(tmp_path / "out")
+    assert out["short"]["completion_tokens"] == 3 and out["short"]["finish_reason"] == "length"
+    assert out["stop"]["completion"] == base.text[: base.text.find(stop)]
+    assert out["stop"]["finish_reason"] == "stop"
+
+
+def test_changed_model_template_or_decoding_is_refused(tmp_path, job_model, job_engine):
+    dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(4))
+    out = tmp_path / "out"
+    run_job(job_config(dataset, job_model, out), engine=job_engine)
+    before = load_rows(out)
+
+    for change, pattern in [
+        (dict(max_tokens=17), r"decoding.max_tokens: 16 -> 17"),
+        (dict(mode="tree"), r"decoding.mode: 'chain' -> 'tree'"),
+        (dict(draft_tokens=2), r"decoding.draft_tokens: 3 -> 2"),
+        (dict(system_prompt="Be brief."), r"rendering.system_prompt"),
+    ]:
+        with pytest.raises(FingerprintMismatch, match=pattern) as info:
+            run_job(job_config(dataset, job_model, out, **change), engine=job_engine)
+        assert "--overwrite" in str(info.value)
+
+    # Another model (a copy with a different chat template).
+    other = tmp_path / "other_model"
+    shutil.copytree(job_model, other)
+    tok_cfg = json.loads((other / "tokenizer_config.json").read_text())
+    tok_cfg["chat_template"] = tok_cfg["chat_template"].replace("<|im_start|>", "<|im_start|> ")
+    (other / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    with pytest.raises(FingerprintMismatch, match=r"model:.*\n.*chat_template_sha256"):
+        run_job(job_config(dataset, other, out), engine=MTPEngine.load(other))
+
+    assert load_rows(out) == before  # nothing deleted
+    # --overwrite starts over.
+    run_job(job_config(dataset, job_model, out, max_tokens=5, overwrite=True), engine=job_engine)
+    assert all(r["completion_tokens"] <= 5 for r in load_rows(out).values())
+
+
+def test_refuses_a_non_job_folder(tmp_path, job_model, job_engine):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(OutputError, match="not empty"):
+        run_job(job_config(write_jsonl(tmp_path / "in.jsonl", prompt_rows(2)), job_model, out), engine=job_engine)
+    assert (out / "notes.txt").exists()
+
+
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_batch_mode_equals_one_row_at_a_time(tmp_path, job_model, job_engine, batch_size):
+    rows = prompt_rows(10) + [{"id": "stopper", "prompt": PROMPT_TEXTS[2], "max_tokens": 4}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    run_job(job_config(dataset, job_model, tmp_path / "single", mode="baseline"), engine=job_engine)
+    run_job(job_config(dataset, job_model, tmp_path / "batch", mode="batch", batch_size=batch_size), engine=job_engine)
+    single, batch = load_rows(tmp_path / "single"), load_rows(tmp_path / "batch")
+    assert single.keys() == batch.keys()
+    for rid in single:
+        for col in ("completion", "completion_tokens", "finish_reason", "prompt", "prompt_tokens"):
+            assert single[rid][col] == batch[rid][col], (rid, col)
+        assert batch[rid]["acceptance"]["mode"] == "batch"
+        assert batch[rid]["acceptance"]["steps"] is None
+
+
+def test_output_is_readable_three_ways(tmp_path, job_model, job_engine):
+    dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(7))
+    out = tmp_path / "out"
+    run_job(job_config(dataset, job_model, out), engine=job_engine)
+    via_disk = datasets.load_from_disk(str(out))
+    shards = sorted(out.glob("data-*.arrow"))
+    per_shard = [pa.ipc.open_stream(str(s)).read_all() for s in shards]
+    assert sum(t.num_rows for t in per_shard) == via_disk.num_rows == 7
+    via_builder = datasets.load_dataset("arrow", data_files=[str(s) for s in shards], split="train")
+    assert sorted(via_builder["id"]) == sorted(via_disk["id"])
+    assert via_disk.features["acceptance"]["histogram"].feature.dtype == "int32"
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "csv", "parquet", "arrow", "disk", "glob"])
+def test_every_input_format_gives_the_same_rows(tmp_path, job_model, job_engine, fmt):
+    rows = prompt_rows(5)
+    ds = datasets.Dataset.from_list(rows)
+    if fmt == "jsonl":
+        path = write_jsonl(tmp_path / "in.jsonl", rows)
+    elif fmt == "json":
+        path = tmp_path / "in.json"
+        path.write_text(json.dumps(rows))
+    elif fmt == "csv":
+        path = tmp_path / "in.csv"
+        ds.to_csv(str(path), index=False)
+    elif fmt == "parquet":
+        path = tmp_path / "in.parquet"
+        ds.to_parquet(str(path))
+    elif fmt == "arrow":
+        path = tmp_path / "in.arrow"
+        with pa.ipc.new_stream(str(path), ds.data.schema) as w:
+            w.write_table(ds.data.table)
+    elif fmt == "disk":
+        path = tmp_path / "saved"
+        ds.save_to_disk(str(path))
+    else:
+        write_jsonl(tmp_path / "part-a.jsonl", rows[:2])
+        write_jsonl(tmp_path / "part-b.jsonl", rows[2:])
+        path = tmp_path / "part-*.jsonl"
+    run_job(job_config(path, job_model, tmp_path / "out"), engine=job_engine)
+    out = load_rows(tmp_path / "out")
+    assert sorted(out) == sorted(r["id"] for r in rows)
+    for r in rows:
+        assert out[r["id"]]["completion"] == job_engine.generate(r["prompt"], max_tokens=16).text
+
+
+def test_ids_default_to_row_numbers(tmp_path, job_model, job_engine):
+    rows = [{"prompt": t} for t in PROMPT_TEXTS[:3]]
+    run_job(job_config(write_jsonl(tmp_path / "in.jsonl", rows), job_model, tmp_path / "out"), engine=job_engine)
+    assert sorted(load_rows(tmp_path / "out")) == ["0", "1", "2"]
+
+
+class FlakyEngine(MTPEngine):
+    """Raises for prompts holding a marker: once for "flaky", always for "broken"."""
+
+    def __init__(self, checkpoint):
+        super().__init__(checkpoint)
+        self.calls: dict[str, int] = {}
+
+    def generate(self, prompt, **kwargs):
+        text = self.tokenizer.decode(prompt)
+        for marker in ("flaky", "broken"):
+            if marker in text:
+                self.calls[marker] = self.calls.get(marker, 0) + 1
+                if marker == "broken" or self.calls[marker] == 1:
+                    raise RuntimeError(f"simulated failure on {marker}")
+        return super().generate(prompt, **kwargs)
+
+
+def test_failed_generation_is_retried_once_then_becomes_an_error_row(tmp_path, job_model):
+    engine = FlakyEngine(MTPEngine.load(job_model).checkpoint)
+    rows = [{"id": "a", "prompt": "flaky row"}, {"id": "b", "prompt": "broken row"}, {"id": "c", "prompt": "fine"}]
+    summary = run_job(job_config(write_jsonl(tmp_path / "in.jsonl", rows), job_model, tmp_path / "out"), engine=engine)
+    out = load_rows(tmp_path / "out")
+    assert out["a"]["finish_reason"] in ("stop", "length")
+    assert out["b"]["error"] == "generation_failed: RuntimeError: simulated failure on broken"
+    assert out["c"]["completion"] is not None
+    assert engine.calls == {"flaky": 2, "broken": 2}
+    assert summary.errors == 1
+
+
+def test_transient_write_errors_are_retried(tmp_path, job_model, job_engine, monkeypatch):
+    import jobs.output as output
+
+    real_replace, failures = output.os.replace, {"left": 2}
+
+    def flaky_replace(src, dst):
+        if str(dst).endswith(".arrow") and failures["left"]:
+            failures["left"] -= 1
+            raise OSError("simulated transient I/O error")
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(output.os, "replace", flaky_replace)
+    run_job(job_config(write_jsonl(tmp_path / "in.jsonl", prompt_rows(4)), job_model, tmp_path / "out"), engine=job_engine)
+    assert failures["left"] == 0
+    assert len(load_rows(tmp_path / "out")) == 4
+
+
+def test_limit_and_resume_extends(tmp_path, job_model, job_engine):
+    dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(6))
+    out = tmp_path / "out"
+    first = run_job(job_config(dataset, job_model, out, limit=2), engine=job_engine)
+    assert first.committed == 2
+    second = run_job(job_config(dataset, job_model, out, limit=2), engine=job_engine)
+    assert second.committed == 0 and second.done == 2
+
+
+def test_bad_dataset_path_fails_the_job(tmp_path, job_model, job_engine):
+    from jobs.readers import DatasetError
+
+    with pytest.raises(DatasetError, match="does not exist"):
+        run_job(job_config(tmp_path / "missing.jsonl", job_model, tmp_path / "out"), engine=job_engine)
+    (tmp_path / "in.txt").write_text("hi")
+    with pytest.raises(DatasetError, match="unsupported dataset format '.txt'"):
+        run_job(job_config(tmp_path / "in.txt", job_model, tmp_path / "out"), engine=job_engine)
+
+
+def test_config_values_are_validated():
+    from jobs.config import JobConfig
+
+    for bad, match in [
+        (dict(mode="fast"), "mode must be one of"),
+        (dict(draft_tokens=0), "draft_tokens must be a positive integer, got 0"),
+        (dict(tau=2.0), "tau must be in"),
+        (dict(rows_per_shard=-1), "rows_per_shard"),
+        (dict(stop=[""]), "stop must be non-empty"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            JobConfig(dataset="d", model="m", output="o", **bad)
