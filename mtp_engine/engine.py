@@ -104,10 +104,11 @@ class MTPEngine:
         )
 
     @classmethod
-    def load(cls, path: str | Path, **kwargs) -> "MTPEngine":
+    def load(cls, path: str | Path, *, dtype: str | None = None, **kwargs) -> "MTPEngine":
         """Load a checkpoint folder (Hub layout, or mlx_lm.convert output that
-        holds the ``mtp.*`` tensors). See `load_checkpoint` for errors."""
-        return cls(load_checkpoint(path), **kwargs)
+        holds the ``mtp.*`` tensors). ``dtype`` casts the weights ("float32",
+        "bfloat16", "float16"). See `load_checkpoint` for errors."""
+        return cls(load_checkpoint(path, dtype=dtype), **kwargs)
 
     # -- model plumbing ------------------------------------------------------
 
@@ -286,8 +287,12 @@ class MTPEngine:
         while True:
             # Never draft past max_tokens: with one token left, verify x alone.
             depth = finisher.remaining - 1
+            t0 = time.perf_counter()
             drafted = spec.propose(drafter, state, depth) if depth >= 1 else [[]]
+            t1 = time.perf_counter()
             out = self._verify(caches, x, drafted)
+            stats.draft_s += t1 - t0
+            stats.verify_s += time.perf_counter() - t1
             stats.steps += 1
             stats.drafted += len(drafted[out.row])
             stats.accepted += out.accepted

@@ -136,21 +136,37 @@ def load_mtp_head(folder: Path, config: dict) -> MTPHead:
     return head
 
 
-def load_checkpoint(path: str | Path) -> LoadedCheckpoint:
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def load_checkpoint(path: str | Path, dtype: str | None = None) -> LoadedCheckpoint:
     """Load trunk, MTP head and tokenizer, and install per-token checkpoints.
 
     Args:
         path: A local folder in the Hub layout (single or sharded safetensors)
             or one converted by ``mlx_lm.convert`` (quantized or not) that
             also holds the ``mtp.*`` tensors.
+        dtype: Cast floating weights to "float32", "bfloat16" or "float16".
+            Default: as stored, except on MLX's CPU backend, where half
+            precision weights become float32 (its MoE kernel, gather_mm, only
+            runs in float32 there).
 
     Raises:
         FileNotFoundError, CheckpointError, MissingMTPHeadError.
     """
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     folder, config = read_config(path)
     # The head first: a folder without one fails before the trunk is read.
     head = load_mtp_head(folder, config)
     model, config = load_model(folder)
+    if dtype is None and mx.default_device() == mx.cpu:
+        stored = model.model.embed_tokens.weight.dtype
+        dtype = "float32" if stored in (mx.bfloat16, mx.float16) else None
+    if dtype is not None:
+        for module in (model, head):
+            module.set_dtype(DTYPES[dtype])
+        mx.eval(model.parameters(), head.parameters())
     tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
     install_checkpointing(model)
     return LoadedCheckpoint(model=model, head=head, tokenizer=tokenizer, config=config, path=folder)

@@ -32,6 +32,8 @@ class GenerationStats:
         generated_tokens: Tokens returned to the caller.
         prefill_s: Seconds spent on the prompt (first token included).
         decode_s: Seconds spent after the first token.
+        draft_s: Part of ``decode_s`` spent drafting (MTP forwards).
+        verify_s: Part of ``decode_s`` spent in verify forwards and commits.
     """
 
     mode: str
@@ -48,6 +50,8 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
 
     @property
     def acceptance_length(self) -> float:
