@@ -36,13 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dataset", help="prompt file (.jsonl .json .csv .parquet .arrow), glob, or save_to_disk folder")
     g.add_argument("--model", help="Qwen3-Next checkpoint folder with its MTP head")
     g.add_argument("--output", help="output folder (created; resumed if it holds this job)")
-    g.add_argument("--mode", choices=JOB_MODES, help="decoding mode; 'batch' = continuous batching, no speculation (default: chain)")
+    g.add_argument("--mode", choices=JOB_MODES, help="decoding mode; 'batch' = continuous batching, no speculation; 'auto' = the measured "
+                   "best for this backend: batch on MLX's CPU backend, chain elsewhere (default: auto)")
     g.add_argument("--draft-tokens", type=int, help="K: draft depth (default: 3)")
     g.add_argument("--paths", type=int, help="P: candidate first tokens in 'paths' mode (default: 2)")
     g.add_argument("--tau", type=float, help="confidence threshold of the adaptive modes (default: 0.5)")
     g.add_argument("--max-tokens", type=int, help="tokens per completion unless a row sets max_tokens (default: 256)")
     g.add_argument("--stop", action="append", help="stop string (repeatable) unless a row sets stop")
-    g.add_argument("--batch-size", type=int, help="rows decoded at once in 'batch' mode (default: 8)")
+    g.add_argument("--batch-size", type=int, help="rows decoded at once in 'batch' mode (default: 16)")
     g.add_argument("--rows-per-shard", type=int, help="rows per committed shard (default: 256)")
     g.add_argument("--commit-seconds", type=float, help="commit finished rows at least this often (default: 300)")
     g.add_argument("--prompt-field", help="field holding the prompt string (default: prompt)")
@@ -60,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="summarise a job's output folder")
     s.add_argument("output", help="output folder of a job")
+
+    m = sub.add_parser(
+        "merge",
+        help="combine output folders of the same job (machines without a shared filesystem)",
+        description="Combine job output folders that share a fingerprint; overlapping ids are refused.",
+    )
+    m.add_argument("inputs", nargs="+", help="output folders to merge")
+    m.add_argument("--output", required=True, help="folder for the merged result (new or empty)")
     return parser
 
 
@@ -77,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         from jobs.status import print_status
 
         return print_status(Path(args.output))
+    if args.command == "merge":
+        from jobs.merge import merge_outputs
+
+        return merge_outputs([Path(p) for p in args.inputs], Path(args.output))
     return EXIT_USAGE
 
 

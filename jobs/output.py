@@ -266,9 +266,6 @@ class OutputFolder:
             self._delete_results()
         self._recover()
         entries = read_all_ledgers(self.path)
-        for e in entries:
-            self.done_ids.update(e.ids)
-            self.totals.add(e)
         own = [e for e in entries if e.writer == self.writer]
         self._seq = 1 + max((int(_SHARD.match(e.shard)["seq"]) for e in own), default=-1)
         old_manifest = orjson.loads(existing.read_bytes()) if existing.exists() else {}
@@ -286,8 +283,6 @@ class OutputFolder:
         self._append_ledger(entry)
         _crash_point("ledger_appended")
         self._seq += 1
-        self.done_ids.update(entry.ids)
-        self.totals.add(entry)
         self.refresh_views()
         _crash_point("views_written")
         return name
@@ -300,8 +295,11 @@ class OutputFolder:
             os.fsync(f.fileno())
 
     def refresh_views(self) -> None:
-        """state.json, dataset_info.json and the manifest, from all ledgers."""
+        """state.json, dataset_info.json and the manifest, from all ledgers
+        (other writers' too); the done ids and totals follow them."""
         entries = read_all_ledgers(self.path)
+        for e in entries:
+            self.done_ids.update(e.ids)
         shards = [EMPTY_SHARD] + sorted(e.shard for e in entries)
         state = {
             "_data_files": [{"filename": s} for s in shards],
@@ -322,6 +320,7 @@ class OutputFolder:
         totals = Totals()
         for e in entries:
             totals.add(e)
+        self.totals = totals
         write_atomic(self.path / "dataset_info.json", orjson.dumps(info, option=orjson.OPT_INDENT_2))
         write_atomic(self.path / "state.json", orjson.dumps(state, option=orjson.OPT_INDENT_2))
         manifest = {**self._manifest, "updated_at": time.time(), "totals": totals.to_dict()}

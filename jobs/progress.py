@@ -14,10 +14,14 @@ class Progress:
         done: Rows already done before this run.
         stream: Where to write (default stderr).
         interval: Seconds between log lines when not on a terminal.
+        prefix: Put before every line (the rank under mlx.launch).
     """
 
-    def __init__(self, total: int | None, done: int = 0, stream=None, interval: float = 10.0):
+    def __init__(
+        self, total: int | None, done: int = 0, stream=None, interval: float = 10.0, prefix: str = ""
+    ):
         self.stream = stream or sys.stderr
+        self.prefix = prefix
         self.total = total
         self.done = done
         self.errors = 0
@@ -29,7 +33,7 @@ class Progress:
         self._last_log = 0.0
         self._rows_this_run = 0
         self._bar = None
-        if self.stream.isatty():
+        if self.stream.isatty() and not prefix:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, initial=done, unit="row", file=self.stream, dynamic_ncols=True)
@@ -70,6 +74,7 @@ class Progress:
         return f"rows {self.done}{total}{pct} | {self._postfix()}{eta} | elapsed {_clock(elapsed)}"
 
     def log(self, message: str) -> None:
+        message = self.prefix + message
         if self._bar is not None:
             self._bar.write(message, file=self.stream)
         else:

@@ -153,8 +153,9 @@ def run_job(
         config: The job.
         rank, world: This process's place under mlx.launch (rows are split by
             a hash of their id).
-        barrier: Called once all of this rank's rows are committed (ranks
-            wait for each other before the final views are written).
+        barrier: Waits for every rank (required when ``world > 1``): after
+            rank 0 opened the folder, and once all rows are committed, before
+            rank 0 writes the final state.json/dataset_info.json.
         engine: An already loaded engine for ``config.model`` (tests).
         stream: Where progress goes (default stderr).
 
@@ -163,21 +164,38 @@ def run_job(
         FingerprintMismatch, OutputError: the job cannot run.
     """
     stream = stream or sys.stderr
+    requested = config.mode
+    config = config.resolved("cpu" if mx.default_device() == mx.cpu else "gpu")
     engine = engine or MTPEngine.load(config.model)
     source = PromptSource(config.dataset)
     total = len(source)
     if config.limit is not None:
         total = min(total, config.limit)
     out = OutputFolder(Path(config.output), writer_name(rank))
-    out.open(build_manifest(config, engine, total, world), overwrite=config.overwrite)
+    manifest = build_manifest(config, engine, total, world)
+    if world > 1:
+        # Rank 0 creates (or checks) the folder first; the others then join it.
+        if rank == 0:
+            out.open(manifest, overwrite=config.overwrite)
+        barrier()
+        if rank != 0:
+            out.open(manifest, overwrite=False)
+    else:
+        out.open(manifest, overwrite=config.overwrite)
     preparer = Preparer(config, engine.tokenizer, engine.context_length)
     buffer = _Buffer(out, config.rows_per_shard, config.commit_seconds)
 
     mine_total = total if world == 1 else None
-    progress = Progress(mine_total, done=len(out.done_ids) if world == 1 else 0, stream=stream)
+    progress = Progress(
+        mine_total,
+        done=len(out.done_ids) if world == 1 else 0,
+        stream=stream,
+        prefix=f"[rank {rank}/{world}] " if world > 1 else "",
+    )
     progress.log(
         f"job: {config.dataset} -> {config.output} | model {Path(config.model).name} | "
-        f"mode {config.mode} | {len(out.done_ids)} rows already done"
+        f"mode {config.mode}{' (auto)' if requested == 'auto' else ''} | "
+        f"{len(out.done_ids)} rows already done"
     )
 
     def finish(row: dict, steps: int = 0, accepted: int = 0) -> None:
@@ -198,9 +216,10 @@ def run_job(
             _run_speculative(engine, config, work, finish)
         buffer.flush()
         progress.close()
-        if barrier is not None and not stop.requested:
-            barrier()
-            out.refresh_views()
+        if world > 1 and not stop.requested:
+            barrier()  # every rank's rows are committed
+            if rank == 0:
+                out.refresh_views()
 
     summary = JobSummary(
         output=out.path,

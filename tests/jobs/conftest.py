@@ -47,6 +47,6 @@ def prompt_rows(n: int) -> list[dict]:
 
 
 def job_config(dataset: Path, model: Path, output: Path, **overrides) -> JobConfig:
-    values = dict(dataset=str(dataset), model=str(model), output=str(output), max_tokens=16, rows_per_shard=3)
+    values = dict(dataset=str(dataset), model=str(model), output=str(output), max_tokens=16, rows_per_shard=3, mode="chain")
     values.update(overrides)
     return JobConfig(**values)

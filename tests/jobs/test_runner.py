@@ -262,3 +262,14 @@ def test_config_values_are_validated():
     ]:
         with pytest.raises(ConfigError, match=match):
             JobConfig(dataset="d", model="m", output="o", **bad)
+
+
+def test_auto_mode_follows_the_backend(tmp_path, job_model, job_engine):
+    from jobs.config import AUTO_MODE
+
+    dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(3))
+    run_job(job_config(dataset, job_model, tmp_path / "out", mode="auto"), engine=job_engine)
+    rows = load_rows(tmp_path / "out")
+    assert {r["acceptance"]["mode"] for r in rows.values()} == {AUTO_MODE["cpu"]}
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["config"]["mode"] == AUTO_MODE["cpu"]  # fingerprinted as resolved

@@ -1,0 +1,130 @@
+"""Jobs across processes with mlx.launch (ring backend on loopback), and
+merging folders written without a shared filesystem."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.merge import MergeError, merge
+from jobs.output import read_all_ledgers
+from jobs.runner import run_job
+from tests.jobs.conftest import job_config, prompt_rows, write_jsonl
+from tests.jobs.test_crash_resume import rows_by_id
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = str(Path(sys.executable).with_name("mlx.launch"))
+
+
+def launch_cmd(n: int, dataset, model, output, port: int) -> list[str]:
+    return [
+        LAUNCH, "--backend", "ring", "-n", str(n), "--starting-port", str(port), "--",
+        sys.executable, "-m", "jobs", "generate", "--dataset", str(dataset), "--model", str(model),
+        "--output", str(output), "--max-tokens", "16", "--rows-per-shard", "2",
+    ]
+
+
+def rank_pids(output: Path) -> dict[int, int]:
+    """pid of each rank's python process writing to ``output``."""
+    pids = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"jobs" not in cmdline or str(output).encode() not in cmdline:
+                continue
+            env = dict(
+                kv.split(b"=", 1) for kv in (entry / "environ").read_bytes().split(b"\0") if b"=" in kv
+            )
+        except OSError:
+            continue
+        if b"MLX_RANK" in env:
+            pids[int(env[b"MLX_RANK"])] = int(entry.name)
+    return pids
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return prompt_rows(24)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, job_model, job_engine, rows):
+    folder = tmp_path_factory.mktemp("ref")
+    dataset = write_jsonl(folder / "in.jsonl", rows)
+    run_job(job_config(dataset, job_model, folder / "out", rows_per_shard=2), engine=job_engine)
+    return rows_by_id(folder / "out")
+
+
+def test_two_ranks_produce_exactly_the_single_process_rows(tmp_path, job_model, rows, reference):
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    proc = subprocess.run(launch_cmd(2, dataset, job_model, out, 52100), cwd=ROOT, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout.decode() + proc.stderr.decode()
+    assert rows_by_id(out) == reference
+    writers = {e.writer for e in read_all_ledgers(out)}
+    assert writers == {"r000", "r001"}
+
+
+def test_kill_one_rank_then_resume_with_three(tmp_path, job_model, rows, reference):
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    proc = subprocess.Popen(launch_cmd(2, dataset, job_model, out, 52200), cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 180
+    killed = False
+    while time.time() < deadline and proc.poll() is None:
+        if out.exists() and any(e.writer == "r001" for e in read_all_ledgers(out)):
+            pid = rank_pids(out).get(1)
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+                killed = True
+                break
+        time.sleep(0.02)
+    assert killed, "rank 1 was not found running"
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGKILL)  # the survivor may wait on the dead rank
+    proc.wait(timeout=30)
+    partial = rows_by_id(out)
+    assert 0 < len(partial) < len(rows)
+    for rid, row in partial.items():
+        assert row == reference[rid]
+
+    resumed = subprocess.run(launch_cmd(3, dataset, job_model, out, 52300), cwd=ROOT, capture_output=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout.decode() + resumed.stderr.decode()
+    assert rows_by_id(out) == reference
+    assert sum(e.rows for e in read_all_ledgers(out)) == len(rows)
+
+
+def test_merge_of_two_machines_equals_one_run(tmp_path, job_model, job_engine, rows, reference):
+    a = write_jsonl(tmp_path / "a.jsonl", rows[:12])
+    b = write_jsonl(tmp_path / "b.jsonl", rows[12:])
+    run_job(job_config(a, job_model, tmp_path / "out_a", rows_per_shard=2), engine=job_engine)
+    run_job(job_config(b, job_model, tmp_path / "out_b", rows_per_shard=2), engine=job_engine)
+    assert merge([tmp_path / "out_a", tmp_path / "out_b"], tmp_path / "merged") == len(rows)
+    assert rows_by_id(tmp_path / "merged") == reference
+    # The merged folder is a job folder: resuming the union over it does nothing.
+    union = write_jsonl(tmp_path / "union.jsonl", rows)
+    again = run_job(job_config(union, job_model, tmp_path / "merged", rows_per_shard=2), engine=job_engine)
+    assert again.committed == 0 and again.done == len(rows)
+
+
+def test_merge_refuses_overlapping_ids_and_other_configs(tmp_path, job_model, job_engine, rows):
+    a = write_jsonl(tmp_path / "a.jsonl", rows[:6])
+    c = write_jsonl(tmp_path / "c.jsonl", rows[4:8])
+    run_job(job_config(a, job_model, tmp_path / "out_a"), engine=job_engine)
+    run_job(job_config(c, job_model, tmp_path / "out_c"), engine=job_engine)
+    with pytest.raises(MergeError, match="id 'row-4' is in both"):
+        merge([tmp_path / "out_a", tmp_path / "out_c"], tmp_path / "m1")
+    assert not (tmp_path / "m1").exists() or not any((tmp_path / "m1").iterdir())
+    d = write_jsonl(tmp_path / "d.jsonl", rows[10:12])
+    run_job(job_config(d, job_model, tmp_path / "out_d", max_tokens=8), engine=job_engine)
+    with pytest.raises(MergeError, match="decoding.max_tokens: 16 -> 8"):
+        merge([tmp_path / "out_a", tmp_path / "out_d"], tmp_path / "m2")
