@@ -41,7 +41,7 @@ generate: $(VENV)/.installed
 ifeq ($(NP),1)
 	$(PY) -m jobs generate --dataset "$(DATASET)" --model "$(MODEL)" --output "$(OUT)" $(ARGS)
 else
-	$(VENV)/bin/mlx.launch --backend ring -n $(NP) -m jobs generate --dataset "$(DATASET)" --model "$(MODEL)" --output "$(OUT)" $(ARGS)
+	$(VENV)/bin/mlx.launch --backend ring -n $(NP) -- $(abspath $(PY)) -m jobs generate --dataset "$(DATASET)" --model "$(MODEL)" --output "$(OUT)" $(ARGS)
 endif
 
 bench: $(VENV)/.installed

@@ -198,8 +198,9 @@ def forward_costs(engine: MTPEngine, context: list[int], widths: list[int], repe
         out[width] = (time.perf_counter() - t) / repeats
     drafter = engine.drafter
     state = drafter.new_state()
-    hidden = model.model(mx.array(context[-64:])[None], cache=make_main_cache(model))
-    drafter.set_pending(state, hidden, context[-63:] + [7])
+    n = min(64, len(context))
+    hidden = model.model(mx.array(context[-n:])[None], cache=make_main_cache(model))
+    drafter.set_pending(state, hidden, context[len(context) - n + 1 :] + [7])
     drafter.first_step(state)
     h1 = hidden[:, -1:]
 
@@ -349,8 +350,16 @@ def main(argv=None) -> int:
         print_table(run, log)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(report, indent=2))
+            Path(args.json).write_text(json.dumps(_flat(report), indent=2))
     return 0
+
+
+def _flat(report: dict) -> dict:
+    """One context: results, cost_model, settings and dataset_throughput at
+    the top level; several: a "runs" list of those."""
+    if len(report["runs"]) != 1:
+        return report
+    return {k: v for k, v in report.items() if k != "runs"} | report["runs"][0]
 
 
 LONG_CONTEXT_MODES = ("baseline", "chain-k3", "tree-k3")

@@ -102,18 +102,7 @@ def commit_verified_prefix(caches: list, verified_len: int, accepted_len: int) -
         False (and changes nothing) when a recurrent cache has no checkpoints
         from that forward; the caller then restores a snapshot and replays.
     """
-    _check_lengths(verified_len, accepted_len)
-    if not can_commit_from_checkpoints(caches, accepted_len):
-        return False
-    rejected = verified_len - accepted_len
-    for c in caches:
-        if c.is_trimmable():
-            c.trim(rejected)
-        else:
-            conv, ssm = c.checkpoints[accepted_len - 1]
-            c.cache = [conv, ssm]
-            c.clear_checkpoints()
-    return True
+    return _commit(caches, verified_len, accepted_len, row=None)
 
 
 def commit_by_replay(model, caches: list, snaps: list[CacheSnapshot], tokens: mx.array) -> mx.array:
@@ -161,6 +150,12 @@ def commit_tree_row(caches: list, verified_len: int, accepted_len: int, row: int
     Returns:
         False (and changes nothing) when a recurrent cache lacks checkpoints.
     """
+    return _commit(caches, verified_len, accepted_len, row=row)
+
+
+def _commit(caches: list, verified_len: int, accepted_len: int, row: int | None) -> bool:
+    """Shared commit: trim KV, take recurrent checkpoint ``accepted_len - 1``;
+    with ``row``, keep only that batch row."""
     _check_lengths(verified_len, accepted_len)
     if not can_commit_from_checkpoints(caches, accepted_len):
         return False
@@ -168,14 +163,16 @@ def commit_tree_row(caches: list, verified_len: int, accepted_len: int, row: int
     for c in caches:
         if c.is_trimmable():
             c.trim(rejected)
-            if c.keys is not None:
+            if row is not None and c.keys is not None:
                 _check_row(row, c.keys.shape[0])
                 c.keys = c.keys[row : row + 1]
                 c.values = c.values[row : row + 1]
         else:
             conv, ssm = c.checkpoints[accepted_len - 1]
-            _check_row(row, ssm.shape[0])
-            c.cache = [conv[row : row + 1], ssm[row : row + 1]]
+            if row is not None:
+                _check_row(row, ssm.shape[0])
+                conv, ssm = conv[row : row + 1], ssm[row : row + 1]
+            c.cache = [conv, ssm]
             c.clear_checkpoints()
     return True
 

@@ -264,14 +264,17 @@ class MTPEngine:
         def step(token: mx.array) -> mx.array:
             return greedy_tokens(model(token.reshape(1, 1), cache=caches)[:, -1, :])
 
-        y = mx.array([x])
+        y = step(mx.array([x]))
+        mx.async_eval(y)
         while True:
-            next_y = step(y)
-            mx.async_eval(next_y)
+            # Queue the following token before reading this one, so the host
+            # work overlaps the next forward.
+            next_y = None
+            if finisher.remaining > 1:
+                next_y = step(y)
+                mx.async_eval(next_y)
             stats.steps += 1
-            stats.histogram = []
-            token = int(next_y.item())
-            finisher.add([token])
+            finisher.add([int(y.item())])
             if finisher.done:
                 return
             y = next_y

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.qwen3_next import ModelArgs
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import infer_quant_config, load_model, load_tokenizer
@@ -161,8 +162,9 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> LoadedCheckpo
     head = load_mtp_head(folder, config)
     model, config = load_model(folder)
     if dtype is None and mx.default_device() == mx.cpu:
-        stored = model.model.embed_tokens.weight.dtype
-        dtype = "float32" if stored in (mx.bfloat16, mx.float16) else None
+        half = (mx.bfloat16, mx.float16)
+        if any(v.dtype in half for m in (model, head) for _, v in tree_flatten(m.parameters())):
+            dtype = "float32"
     if dtype is not None:
         for module in (model, head):
             module.set_dtype(DTYPES[dtype])

@@ -10,23 +10,35 @@ from mtp_engine.drafter import MTPDrafter
 from tests.conftest import PROMPTS
 
 
-def fresh_drafts(engine, committed: list[int], k: int) -> tuple[list[int], list[float]]:
+def fresh_chain(engine, committed: list[int], k: int) -> tuple[list[int], list[float], list[float]]:
     """Draft k tokens from scratch: one trunk forward over the committed text
     (all but its last token, which is not fed yet), an MTP prefill over every
-    pair (H_j, t_{j+1}), then greedy steps. Returns drafts and top-2 gaps."""
+    pair (H_j, t_{j+1}), then greedy steps.
+
+    Returns:
+        The drafts, the top-2 logit gap at each, and the running product of
+        top-1 probabilities.
+    """
     model = engine.model
     hidden = model.model(mx.array(committed[:-1])[None], cache=model.make_cache())
     drafter = MTPDrafter(engine.checkpoint.head, model.model.embed_tokens, engine.lm_head)
     state = drafter.new_state()
     drafter.set_pending(state, hidden, committed[1:])
     logits, m = drafter.first_step(state)
-    drafts, gaps = [], []
+    drafts, gaps, products, running = [], [], [], 1.0
     for _ in range(k):
         top2 = mx.sort(logits)[-2:]
         gaps.append(float(top2[1] - top2[0]))
         d = int(mx.argmax(logits))
+        running *= float(mx.softmax(logits)[d])
         drafts.append(d)
+        products.append(running)
         logits, m = drafter.step(state, m, d)
+    return drafts, gaps, products
+
+
+def fresh_drafts(engine, committed: list[int], k: int) -> tuple[list[int], list[float]]:
+    drafts, gaps, _ = fresh_chain(engine, committed, k)
     return drafts, gaps
 
 
@@ -52,24 +64,6 @@ def test_head_cache_matches_the_committed_text_after_every_step(tiny_engine, pro
     assert exact >= len(result.trace) - 1
 
 
-def fresh_confidences(engine, committed: list[int], k: int) -> list[float]:
-    """Running products of top-1 probabilities of a fresh greedy chain."""
-    model = engine.model
-    hidden = model.model(mx.array(committed[:-1])[None], cache=model.make_cache())
-    drafter = MTPDrafter(engine.checkpoint.head, model.model.embed_tokens, engine.lm_head)
-    state = drafter.new_state()
-    drafter.set_pending(state, hidden, committed[1:])
-    logits, m = drafter.first_step(state)
-    products, running = [], 1.0
-    for _ in range(k):
-        probs = mx.softmax(logits)
-        d = int(mx.argmax(logits))
-        running *= float(probs[d])
-        products.append(running)
-        logits, m = drafter.step(state, m, d)
-    return products
-
-
 @pytest.mark.parametrize("tau", [1e-9, 0.3, 0.7, 1.0])
 def test_adaptive_depth_stops_when_confidence_falls_below_tau(tiny_engine, tau):
     depth_max = 4
@@ -81,7 +75,7 @@ def test_adaptive_depth_stops_when_confidence_falls_below_tau(tiny_engine, tau):
     sequence = ids + result.tokens
     depths = []
     for step in result.trace[:-1]:
-        products = fresh_confidences(tiny_engine, sequence[:committed], depth_max)
+        _, _, products = fresh_chain(tiny_engine, sequence[:committed], depth_max)
         below = [j + 1 for j, c in enumerate(products) if c < tau]
         expected = min(below[0], depth_max) if below else depth_max
         budget = 40 - (committed - len(ids)) - 1  # never draft past max_tokens

@@ -1,0 +1,29 @@
+"""The benchmark harness runs every mode side by side and reports in the
+documented JSON shape (no timing is asserted here)."""
+
+from __future__ import annotations
+
+import json
+
+from mtp_engine.bench import main
+
+
+def test_bench_report(tmp_path, tiny_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def add(a, b):", "Hello", "class A:"]))
+    out = tmp_path / "bench.json"
+    code = main(["--model", str(tiny_path), "--prompts", str(prompts), "--limit", "2", "--max-tokens", "8",
+                 "--rounds", "1", "--batch-sizes", "1", "2", "--json", str(out),
+                 "--modes", "baseline", "mlx_lm", "chain-k3", "tree-k3", "paths-k3-p2"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert {"results", "machine", "cost_model", "dataset_throughput"} <= report.keys()
+    by_mode = {r["mode"]: r for r in report["results"]}
+    assert set(by_mode) == {"baseline", "mlx_lm", "chain-k3", "tree-k3", "paths-k3-p2"}
+    for r in report["results"]:
+        assert {"mode", "params", "tokens_per_s", "speedup", "acceptance_length", "identical"} <= r.keys()
+        assert r["identical"] is True
+    assert by_mode["baseline"]["speedup"] == 1.0
+    assert by_mode["chain-k3"]["acceptance_length"] >= 1.0
+    assert set(report["cost_model"]["forward_ratio"]) >= {"1", "2", "4"}
+    assert {b["mode"] for b in report["dataset_throughput"]} >= {"batch-b1", "batch-b2"}
