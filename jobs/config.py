@@ -15,9 +15,9 @@ JOB_MODES = MODES + ("batch", "auto")
 
 # What "auto" (the default) becomes on each MLX backend, from `make bench` on
 # the shipped model (README, Benchmarks): on the 2-core CPU, continuous batching
-# gives the most tokens/s over a dataset (144 tok/s at B=16, vs 120 for plain
-# decoding and 106 for the best speculative mode). Elsewhere the speculative
-# chain stays the default until a benchmark there says otherwise.
+# gives the most tokens/s over a dataset (130-133 tok/s at B=16-32, vs 119 for
+# plain decoding and 98 for the best speculative mode). Elsewhere the
+# speculative chain stays the default until a benchmark there says otherwise.
 AUTO_MODE = {"cpu": "batch", "gpu": "chain"}
 
 
