@@ -14,6 +14,7 @@ dropped. Resume keys on row ids recorded in the ledgers, never on positions.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
@@ -296,7 +297,17 @@ class OutputFolder:
 
     def refresh_views(self) -> None:
         """state.json, dataset_info.json and the manifest, from all ledgers
-        (other writers' too); the done ids and totals follow them."""
+        (other writers' too); the done ids and totals follow them. Writers
+        take turns (a lock file), so the last view written is never older
+        than another writer's."""
+        with open(self.path / ".views.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                self._write_views()
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _write_views(self) -> None:
         entries = read_all_ledgers(self.path)
         for e in entries:
             self.done_ids.update(e.ids)
