@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_next import (
+    Model,
     ModelArgs,
     Qwen3NextAttention,
     Qwen3NextMLP,
@@ -95,3 +96,16 @@ class MTPHead(nn.Module):
         for layer, c in zip(self.layers, cache):
             x = layer(x, mask, c)
         return self.norm(x)
+
+
+def build_models(config: dict) -> tuple[Model, MTPHead]:
+    """A fresh trunk (mlx-lm's ``qwen3_next.Model``) and MTP head for a Hub
+    config, with MLX's default initialization (lazy until evaluated)."""
+    args = ModelArgs.from_dict(config)
+    model = Model(args)  # trunk first: the seeded random init depends on the order
+    head = MTPHead(
+        args,
+        num_layers=config.get("mtp_num_hidden_layers", 1),
+        sparse=config["num_experts"] > 0,
+    )
+    return model, head

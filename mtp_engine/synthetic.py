@@ -13,10 +13,9 @@ import math
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.qwen3_next import Model, ModelArgs
 
 from mtp_engine.loader import LoadedCheckpoint
-from mtp_engine.mtp_head import MTPHead
+from mtp_engine.mtp_head import build_models
 from mtp_engine.recurrent import install_checkpointing
 from mtp_engine.tiny_checkpoint import tiny_config, tiny_tokenizer
 
@@ -81,9 +80,7 @@ def random_quantized_checkpoint(
     if dtype is None:
         dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
     mx.random.seed(seed)
-    args = ModelArgs.from_dict(config)
-    model = Model(args)
-    head = MTPHead(args, num_layers=config.get("mtp_num_hidden_layers", 1), sparse=config["num_experts"] > 0)
+    model, head = build_models(config)
 
     def predicate(path, m):
         if not hasattr(m, "to_quantized") or isinstance(m, nn.Embedding):

@@ -21,10 +21,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.qwen3_next import Model, ModelArgs
+from mlx_lm.models.qwen3_next import Model
 
 from mtp_engine.hub_writer import train_bpe_tokenizer, write_checkpoint
-from mtp_engine.mtp_head import MTPHead
+from mtp_engine.mtp_head import MTPHead, build_models
 
 # Text the tiny tokenizers learn their merges from: enough variety for merges,
 # small enough to train in milliseconds. Deterministic by construction.
@@ -98,13 +98,7 @@ def tiny_tokenizer(vocab_size: int):
 def build_tiny_models(config: dict, seed: int = 0) -> tuple[Model, MTPHead]:
     """Random trunk (mlx-lm ``qwen3_next.Model``) and MTP head for ``config``."""
     mx.random.seed(seed)
-    args = ModelArgs.from_dict(config)
-    model = Model(args)
-    head = MTPHead(
-        args,
-        num_layers=config.get("mtp_num_hidden_layers", 1),
-        sparse=config["num_experts"] > 0,
-    )
+    model, head = build_models(config)
     # Norm weights away from 1, so a swapped or unshifted norm shows in tests.
     for module in (model, head):
         module.load_weights(

@@ -143,8 +143,8 @@ def write_card(model: Path) -> None:
         f"{corpus.get('train_files', '?')} files, {corpus.get('train_tokens', '?')} tokens; held out: "
         f"{', '.join(corpus.get('held_out_modules', []))} (and their test files), never trained on.",
         f"- Tokenizer: byte-level BPE with {corpus.get('vocab_size', '?')} tokens trained on the training files.",
-        f"- From scratch, jointly: trunk LM loss + MTP loss on the trunk's final-normed hidden "
-        f"(gradient stopped), step 1 (H_i, t_i+1) -> t_i+2 and chained step 2 (M_i, t_i+2) -> t_i+3.",
+        "- From scratch, jointly: trunk LM loss + MTP loss on the trunk's final-normed hidden "
+        "(gradient stopped), step 1 (H_i, t_i+1) -> t_i+2 and chained step 2 (M_i, t_i+2) -> t_i+3.",
         f"- {training.get('steps_done', '?')} steps of {settings.get('batch_size', '?')} x "
         f"{settings.get('seq_len', '?')} tokens ({training.get('tokens_seen', '?')} tokens), AdamW, "
         f"peak lr {settings.get('lr', '?')}, on {training.get('device', '?')} in {training.get('seconds', '?')} s.",

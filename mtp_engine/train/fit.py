@@ -20,9 +20,9 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.qwen3_next import Model, ModelArgs
+from mlx_lm.models.qwen3_next import Model
 
-from mtp_engine.mtp_head import MTPHead
+from mtp_engine.mtp_head import MTPHead, build_models
 from mtp_engine.tiny_checkpoint import tiny_config
 
 
@@ -134,9 +134,7 @@ def evaluate(trainee: Trainee, tokens: np.ndarray, seq_len: int, max_windows: in
 
 def build(config: dict, seed: int) -> Trainee:
     mx.random.seed(seed)
-    args = ModelArgs.from_dict(config)
-    model = Model(args)
-    head = MTPHead(args, num_layers=config.get("mtp_num_hidden_layers", 1), sparse=config["num_experts"] > 0)
+    model, head = build_models(config)
     trainee = Trainee(model, head)
     # Small init for the embedding (nn.Embedding's default is N(0, 1/dim)).
     model.model.embed_tokens.weight = mx.random.normal(model.model.embed_tokens.weight.shape) * 0.02

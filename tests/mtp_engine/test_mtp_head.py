@@ -50,7 +50,7 @@ def softmax(x):
 
 def mtp_reference(w, cfg, hidden, tokens):
     """Logits of the MTP head for pairs (hidden[i], tokens[i]) at positions 0..L-1."""
-    eps, dim = cfg["rms_norm_eps"], cfg["hidden_size"]
+    eps = cfg["rms_norm_eps"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     emb = w["model.embed_tokens.weight"][tokens]
     x = np.concatenate(
