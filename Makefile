@@ -17,7 +17,7 @@ ARGS ?=
 NP ?= 1
 PYTEST_ARGS ?=
 
-.PHONY: install test test-slow test-all generate bench clean-venv
+.PHONY: install test generate bench clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,12 +29,6 @@ install: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest $(PYTEST_ARGS)
-
-test-slow: $(VENV)/.installed
-	$(PY) -m pytest -m slow $(PYTEST_ARGS)
-
-test-all: $(VENV)/.installed
-	$(PY) -m pytest -m "" $(PYTEST_ARGS)
 
 generate: $(VENV)/.installed
 	@test -n "$(DATASET)" || { echo "usage: make generate DATASET=path [MODEL=dir] [OUT=dir] [ARGS=\"...\"] [NP=n]"; exit 2; }
