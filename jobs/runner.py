@@ -175,8 +175,14 @@ def run_job(
     manifest = build_manifest(config, engine, total, world)
     if world > 1:
         # Rank 0 creates (or checks) the folder first; the others then join it.
+        # If rank 0 cannot, it still meets the others at the barrier, and they
+        # fail on the same check instead of waiting for it forever.
         if rank == 0:
-            out.open(manifest, overwrite=config.overwrite)
+            try:
+                out.open(manifest, overwrite=config.overwrite)
+            except Exception:
+                barrier()
+                raise
         barrier()
         if rank != 0:
             out.open(manifest, overwrite=False)

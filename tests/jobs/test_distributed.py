@@ -129,3 +129,15 @@ def test_merge_refuses_overlapping_ids_and_other_configs(tmp_path, job_model, jo
     run_job(job_config(d, job_model, tmp_path / "out_d", max_tokens=8), engine=job_engine)
     with pytest.raises(MergeError, match="decoding.max_tokens: 16 -> 8"):
         merge([tmp_path / "out_a", tmp_path / "out_d"], tmp_path / "m2")
+
+
+def test_every_rank_stops_when_the_folder_is_refused(tmp_path, job_model, job_engine, rows):
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows[:4])
+    out = tmp_path / "out"
+    run_job(job_config(dataset, job_model, out, max_tokens=8), engine=job_engine)
+    proc = subprocess.run(launch_cmd(2, dataset, job_model, out, 52400), cwd=ROOT, capture_output=True, timeout=120)
+    text = proc.stdout.decode() + proc.stderr.decode()
+    # Both ranks refuse (none waits forever at the barrier). mlx.launch itself
+    # exits 0 and reports each rank's status as a warning line.
+    assert text.count("different job configuration") == 2, text
+    assert "rank 0 exited with code 1" in text and "rank 1 exited with code 1" in text, text
