@@ -139,8 +139,8 @@ def test_every_rank_stops_when_the_folder_is_refused(tmp_path, job_model, job_en
     proc = subprocess.run(launch_cmd(2, dataset, job_model, out, 52400), cwd=ROOT, capture_output=True, timeout=120)
     text = proc.stdout.decode() + proc.stderr.decode()
     # Both ranks refuse (none waits forever at the barrier). mlx.launch itself
-    # exits 0, reports each rank's status as a warning line, and may end the
-    # second rank with SIGTERM once the first has exited.
+    # exits 0, reports each rank's status as a warning line, and may end one
+    # rank with SIGTERM once the other has exited.
     assert text.count("different job configuration") == 2, text
-    assert "rank 0 exited with code 1" in text, text
-    assert re.search(r"rank 1 exited with code (1|-15)", text), text
+    codes = dict(re.findall(r"rank (\d) exited with code (-?\d+)", text))
+    assert set(codes) == {"0", "1"} and set(codes.values()) <= {"1", "-15"} and "1" in codes.values(), text
