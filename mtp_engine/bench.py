@@ -383,7 +383,8 @@ def suite(engine, args, context: int | None, log, first: bool = True) -> dict:
     }
     if args.batch_sizes and first:
         limit = args.batch_limit or args.limit
-        batch_prompts = read_prompts(engine, args.prompts, limit, context)
+        # A dataset's own prompts, unpadded: the throughput a job over them sees.
+        batch_prompts = read_prompts(engine, args.prompts, limit, None)
         report["dataset_throughput"] = batch_throughput(engine, batch_prompts, args.max_tokens, args.batch_sizes)
         report["dataset_throughput"] += [
             {"mode": r["mode"], "tokens_per_s": r["tokens_per_s"], "note": "one row at a time"} for r in rows

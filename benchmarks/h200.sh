@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The H200 benchmark runs behind the README's H200 table, one suite per call
+# (each fits a 10-minute device call). Needs MLX's CUDA build on PYTHONPATH
+# (../shared/gpu/stage-mlx-cuda.sh installs it into /root/site).
+#
+#   bash benchmarks/h200.sh shipped   # shipped model, all modes, batch B=1..32
+#   bash benchmarks/h200.sh 80b       # 80B-A3B shapes, random 4-bit, 1K/8K/32K context
+#   bash benchmarks/h200.sh cudnn     # shipped model, cuDNN attention on and off
+#   bash benchmarks/h200.sh lossless  # shipped model, every mode vs mlx-lm greedy, bf16 and fp32
+#
+# cuDNN's attention builds a graph for every new key length it sees; a verify
+# forward over K+1 queries gets a new key length every step, so the runs turn
+# it off (MLX_CUDA_USE_CUDNN_SDPA=0; the `cudnn` part measures both).
+set -u
+out=${OUT:-benchmarks/h200-out}
+mkdir -p "$out"
+export PYTHONPATH=/root/site:$PWD
+bench="python3 -u -m mtp_engine.bench"
+case "${1:?shipped, 80b or cudnn}" in
+  shipped)
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-330}" $bench --limit 8 --max-tokens 64 --rounds 1 \
+      --batch-limit 32 --json "$out/h200-shipped.json" 2>&1 | tee "$out/h200-shipped.log" ;;
+  80b)
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-560}" $bench --synthetic 80b --limit 2 --max-tokens 32 \
+      --rounds 1 --modes baseline mlx_lm chain-k2 chain-k3 tree-k3 paths-k3-p2 \
+      --contexts 1024 8192 32768 --batch-limit 32 --time-budget 330 \
+      --json "$out/h200-80b.json" 2>&1 | tee "$out/h200-80b.log" ;;
+  cudnn)
+    for v in 1 0; do
+      MLX_CUDA_USE_CUDNN_SDPA=$v timeout "${LIMIT:-90}" $bench --limit 2 --max-tokens 32 --rounds 1 \
+        --modes baseline chain-k3 --batch-sizes --json "$out/cudnn-$v.json" > "$out/cudnn-$v.log" 2>&1
+      echo "cudnn=$v exit $?"; tail -5 "$out/cudnn-$v.log"
+    done ;;
+  lossless)
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-150}" python3 -u -m mtp_engine.lossless --limit 12 --max-tokens 64 \
+      --json "$out/lossless-bf16.json" 2>&1 | tee "$out/lossless-bf16.log"
+    MLX_CUDA_USE_CUDNN_SDPA=0 MLX_ENABLE_TF32=0 timeout "${LIMIT:-150}" python3 -u -m mtp_engine.lossless --limit 12 \
+      --max-tokens 64 --dtype float32 --json "$out/lossless-fp32.json" 2>&1 | tee "$out/lossless-fp32.log" ;;
+esac

@@ -1,0 +1,178 @@
+"""Check the lossless contract on this machine: every decoding mode against
+mlx-lm's own greedy decoding of the same model, token for token.
+
+``python -m mtp_engine.lossless`` decodes held-out prompts with mlx-lm's
+``generate_step`` (the reference) and with each mode of the engine. An output
+that differs from the reference passes only if its first divergence sits on a
+numerical near-tie: a position where the reference's top-2 log-probabilities
+are closer than float arithmetic can separate. A verify forward over K+1
+tokens and a one-token forward add in different orders, so on a near-tie
+they may pick different tokens; anything else is a bug. The exit status is 1
+when a divergence is not a near-tie.
+
+The near-tie bound depends on the logits' precision: ``1e-4`` in float32,
+and ``--half-ulps`` units in the last place of the top logit (default 4) when
+the model computes in bfloat16 or float16, whose logits near 10 are spaced
+0.0625 (bfloat16) apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import orjson
+from mlx_lm.generate import generate_step
+
+from mtp_engine.engine import MTPEngine
+
+DEFAULT_MODEL = "models/qwen3-next-tiny-stdlib"
+DEFAULT_PROMPTS = "examples/prompts.jsonl"
+FLOAT32_NEAR_TIE = 1e-4
+MANTISSA_BITS = {mx.bfloat16: 7, mx.float16: 10, mx.float32: 23}
+MODES = {
+    "chain-k2": dict(mode="chain", draft_tokens=2),
+    "chain-k3": dict(mode="chain", draft_tokens=3),
+    "chain-k4": dict(mode="chain", draft_tokens=4),
+    "adaptive-k5": dict(mode="adaptive", draft_tokens=5, tau=0.5),
+    "tree-k3": dict(mode="tree", draft_tokens=3),
+    "adaptive_tree-k5": dict(mode="adaptive_tree", draft_tokens=5, tau=0.5),
+    "paths-k3-p2": dict(mode="paths", draft_tokens=3, paths=2),
+    "paths-k3-p3": dict(mode="paths", draft_tokens=3, paths=3),
+}
+
+
+@dataclass
+class Reference:
+    tokens: list[int]
+    gaps: list[float]  # top-2 log-probability gap per position
+    bounds: list[float]  # near-tie bound per position
+
+
+@dataclass
+class Divergence:
+    prompt: int
+    mode: str
+    position: int
+    token: int
+    reference_token: int
+    gap: float
+    bound: float
+
+    @property
+    def near_tie(self) -> bool:
+        return self.gap < self.bound
+
+
+@dataclass
+class Report:
+    compared: int = 0
+    identical: int = 0
+    divergences: list[Divergence] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[Divergence]:
+        return [d for d in self.divergences if not d.near_tie]
+
+
+def near_tie_bound(top_logit: float, dtype, half_ulps: float) -> float:
+    """The smallest top-2 gap float arithmetic at ``dtype`` reliably separates."""
+    if dtype == mx.float32:
+        return FLOAT32_NEAR_TIE
+    bits = MANTISSA_BITS.get(dtype, 7)
+    exponent = math.floor(math.log2(max(abs(top_logit), 1e-6)))
+    return half_ulps * 2.0 ** (exponent - bits)
+
+
+def reference(engine: MTPEngine, ids: list[int], n: int, half_ulps: float) -> Reference:
+    """mlx-lm's greedy decoding of the engine's model, with per-position gaps."""
+    tops: list[tuple[mx.array, object]] = []
+
+    # generate_step hands out log-probabilities; the bound needs the raw
+    # top logit and the precision the logits were computed in.
+    def keep_top_logit(_, logits):
+        tops.append((logits.max(), logits.dtype))
+        return logits
+
+    tokens, gaps, bounds = [], [], []
+    steps = generate_step(mx.array(ids), engine.model, max_tokens=n, logits_processors=[keep_top_logit])
+    for token, logprobs in steps:
+        top2 = mx.sort(logprobs)[-2:]
+        top_logit, dtype = tops[len(tokens)]
+        tokens.append(int(token))
+        gaps.append(float(top2[1] - top2[0]))
+        bounds.append(near_tie_bound(float(top_logit), dtype, half_ulps))
+        if tokens[-1] in engine.eos_token_ids:
+            break
+    return Reference(tokens, gaps, bounds)
+
+
+def first_divergence(tokens: list[int], ref: Reference) -> int | None:
+    """The first position where ``tokens`` and the reference differ."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, ref.tokens)) if a != b), None)
+
+
+def check(engine: MTPEngine, prompts: list[list[int]], modes: list[str], max_tokens: int,
+          half_ulps: float = 4.0, log=print) -> Report:
+    report = Report()
+    for p, ids in enumerate(prompts):
+        ref = reference(engine, ids, max_tokens, half_ulps)
+        for name in modes:
+            result = engine.generate(ids, max_tokens=max_tokens, **MODES[name])
+            report.compared += 1
+            i = first_divergence(result.tokens, ref)
+            if i is None:
+                # Same tokens as far as both go; the engine leaves EOS out.
+                n = len(result.tokens)
+                if n < len(ref.tokens) and ref.tokens[n] not in engine.eos_token_ids:
+                    raise AssertionError(f"prompt {p}, {name}: ended after {n} tokens, the reference "
+                                         f"goes on with {ref.tokens[n:n + 3]}")
+                report.identical += 1
+                continue
+            d = Divergence(p, name, i, result.tokens[i], ref.tokens[i], ref.gaps[i], ref.bounds[i])
+            report.divergences.append(d)
+            log(f"prompt {p} {name}: first divergence at token {i} ({d.token} vs reference {d.reference_token}), "
+                f"reference top-2 gap {d.gap:.4g} {'<' if d.near_tie else '>='} near-tie bound {d.bound:.4g}"
+                f"{'' if d.near_tie else '  NOT A NEAR-TIE'}")
+    return report
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mtp_engine.lossless", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--prompts", default=DEFAULT_PROMPTS)
+    parser.add_argument("--limit", type=int, default=12, help="prompts to check")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--dtype", default=None, help="cast weights (float32, bfloat16, float16)")
+    parser.add_argument("--half-ulps", type=float, default=4.0,
+                        help="near-tie bound for half-precision logits, in ulps of the top logit")
+    parser.add_argument("--json", help="write the report here")
+    args = parser.parse_args(argv)
+
+    engine = MTPEngine.load(args.model, dtype=args.dtype)
+    rows = [orjson.loads(line) for line in Path(args.prompts).read_bytes().splitlines() if line.strip()]
+    prompts = [engine.encode(r["prompt"]) for r in rows[: args.limit]]
+    dtype = engine.model.model.embed_tokens.weight.dtype
+    print(f"{args.model} ({dtype}) on {mx.default_device()}: {len(prompts)} prompts x "
+          f"{args.max_tokens} tokens x {len(args.modes)} modes", flush=True)
+    report = check(engine, prompts, args.modes, args.max_tokens, args.half_ulps)
+    near = len(report.divergences) - len(report.failures)
+    print(f"{report.identical}/{report.compared} identical, {near} diverged on a near-tie, "
+          f"{len(report.failures)} diverged elsewhere")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        out = {"model": args.model, "dtype": str(dtype), "device": str(mx.default_device()),
+               "compared": report.compared, "identical": report.identical,
+               "divergences": [asdict(d) | {"near_tie": d.near_tie} for d in report.divergences]}
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 1 if report.failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
