@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from jobs.config import JOB_MODES, ConfigError, JobConfig, read_config_file
+from mtp_engine.backend import prefer_mlx_attention
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="Qwen3-Next checkpoint folder with its MTP head")
     g.add_argument("--output", help="output folder (created; resumed if it holds this job)")
     g.add_argument("--mode", choices=JOB_MODES, help="decoding mode; 'batch' = continuous batching, no speculation; 'auto' = the measured "
-                   "best for this backend: batch on MLX's CPU backend, chain elsewhere (default: auto)")
+                   "best for this backend: batch on MLX's CPU backend and GPUs (default: auto)")
     g.add_argument("--draft-tokens", type=int, help="K: draft depth (default: 3)")
     g.add_argument("--paths", type=int, help="P: candidate first tokens in 'paths' mode (default: 2)")
     g.add_argument("--tau", type=float, help="confidence threshold of the adaptive modes (default: 0.5)")
@@ -80,6 +81,7 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    prefer_mlx_attention()
     if args.command == "generate":
         return _generate(args)
     if args.command == "status":

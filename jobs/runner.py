@@ -217,7 +217,7 @@ def run_job(
     with StopRequest() as stop:
         work = _work(source, config, preparer, out.done_ids, rank, world, stop)
         if config.mode == "batch":
-            _run_batch(engine, config, work, finish, stop)
+            _run_batch(engine, config, work, finish, stop, log=progress.log)
         else:
             _run_speculative(engine, config, work, finish)
         buffer.flush()
@@ -299,20 +299,36 @@ def _run_speculative(engine, config, work, finish) -> None:
         )
 
 
-def _run_batch(engine, config, work, finish, stop) -> None:
+# Whole-batch failures in a row after which the rest of the job decodes one
+# row at a time (a backend that cannot run batched prefill for this model
+# would otherwise fail, and redo, every batch).
+BATCH_FAILURES_BEFORE_FALLBACK = 2
+
+
+def _run_batch(engine, config, work, finish, stop, log=None) -> None:
     decoder = BatchDecoder(engine, config.batch_size)
     in_flight: dict[str, Request] = {}
+    failures = 0
+
+    def redo_one_at_a_time() -> None:
+        for key in decoder.drop_all():
+            req = in_flight.pop(key)
+            finish(_request_result(req, *_generate_with_retry(engine, config, req)))
 
     def drain_one_step() -> None:
+        nonlocal failures
         try:
             finished = decoder.step()
-        except Exception:
+        except Exception as e:
             # The whole batch failed: redo its rows one at a time, with a retry.
+            failures += 1
             mx.clear_cache()
-            for key in decoder.drop_all():
-                req = in_flight.pop(key)
-                finish(_request_result(req, *_generate_with_retry(engine, config, req)))
+            redo_one_at_a_time()
+            if failures == BATCH_FAILURES_BEFORE_FALLBACK and log is not None:
+                log(f"batch decoding failed {failures} times in a row ({type(e).__name__}: {e}); "
+                    "decoding the remaining rows one at a time")
             return
+        failures = 0
         for key, result in finished:
             req = in_flight.pop(key)
             finish(_request_result(req, result, None))
@@ -322,12 +338,18 @@ def _run_batch(engine, config, work, finish, stop) -> None:
             if isinstance(item, RowError):
                 finish(_error_to_row(item))
                 continue
+            if failures >= BATCH_FAILURES_BEFORE_FALLBACK:
+                finish(_request_result(item, *_generate_with_retry(engine, config, item)))
+                continue
             while decoder.pending >= config.batch_size:
                 drain_one_step()
             in_flight[item.id] = item
             decoder.add(item.id, item.prompt_ids, max_tokens=item.max_tokens, stop=list(item.stop) or None)
         while decoder.pending and not stop.requested:
-            drain_one_step()
+            if failures >= BATCH_FAILURES_BEFORE_FALLBACK:
+                redo_one_at_a_time()
+            else:
+                drain_one_step()
         if stop.requested:
             decoder.drop_all()  # rows in flight are redone on resume
     finally:

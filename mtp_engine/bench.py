@@ -24,6 +24,7 @@ import mlx.core as mx
 import orjson
 from mlx_lm.generate import generate_step
 
+from mtp_engine.backend import prefer_mlx_attention
 from mtp_engine.engine import MTPEngine
 from mtp_engine.recurrent import CheckpointArraysCache, make_main_cache
 
@@ -255,24 +256,34 @@ def cost_model(costs: dict, rows: list[dict], totals: dict | None = None) -> dic
 
 def batch_throughput(engine, prompts, max_tokens: int, sizes: list[int]) -> list[dict]:
     """Tokens/s over the whole prompt set with continuous batching."""
-    from mtp_engine.batch import BatchDecoder
-
     out = []
     for size in sizes:
-        decoder = BatchDecoder(engine, size)
-        t = time.perf_counter()
-        pending = list(enumerate(prompts))
-        tokens = 0
+        try:
+            tokens, elapsed = _drain(engine, prompts, max_tokens, size)
+        except RuntimeError as e:  # a backend failure at one size loses only that size
+            out.append({"mode": f"batch-b{size}", "tokens_per_s": None, "error": f"{type(e).__name__}: {e}"})
+            continue
+        out.append({"mode": f"batch-b{size}", "tokens_per_s": round(tokens / elapsed, 2), "tokens": tokens})
+    return out
+
+
+def _drain(engine, prompts, max_tokens: int, size: int) -> tuple[int, float]:
+    from mtp_engine.batch import BatchDecoder
+
+    decoder = BatchDecoder(engine, size)
+    t = time.perf_counter()
+    pending = list(enumerate(prompts))
+    tokens = 0
+    try:
         while pending or decoder.pending:
             while pending and decoder.pending < size:
                 i, ids = pending.pop(0)
                 decoder.add(i, ids, max_tokens=max_tokens)
             for _, result in decoder.step():
                 tokens += len(result.tokens)
-        elapsed = time.perf_counter() - t
+    finally:
         decoder.close()
-        out.append({"mode": f"batch-b{size}", "tokens_per_s": round(tokens / elapsed, 2), "tokens": tokens})
-    return out
+    return tokens, time.perf_counter() - t
 
 
 def read_prompts(engine, path: str, limit: int, context: int | None) -> list[list[int]]:
@@ -303,7 +314,7 @@ def print_table(report: dict, log) -> None:
             extra = f", step {p['step_ms']} ms of which forwards {p['forwards_ms']} ms, overhead {100 * p['overhead_share']:.0f}%" if "step_ms" in p else ""
             log(f"  {p['mode']}: predicted {p['predicted_speedup']}x, measured {p['measured_speedup']}x, efficiency {p['efficiency']}{extra}")
     for b in report.get("dataset_throughput", []):
-        log(f"dataset throughput {b['mode']}: {b['tokens_per_s']} tok/s")
+        log(f"dataset throughput {b['mode']}: " + (f"{b['tokens_per_s']} tok/s" if b["tokens_per_s"] else b["error"]))
 
 
 def main(argv=None) -> int:
@@ -324,6 +335,7 @@ def main(argv=None) -> int:
     parser.add_argument("--time-budget", type=float, default=None, help="seconds; later contexts are skipped past it")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
+    prefer_mlx_attention()
     log = lambda m: print(m, flush=True)
 
     if args.synthetic:

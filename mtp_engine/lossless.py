@@ -28,6 +28,7 @@ import mlx.core as mx
 import orjson
 from mlx_lm.generate import generate_step
 
+from mtp_engine.backend import prefer_mlx_attention
 from mtp_engine.engine import MTPEngine
 
 DEFAULT_MODEL = "models/qwen3-next-tiny-stdlib"
@@ -154,6 +155,7 @@ def main(argv=None) -> int:
                         help="near-tie bound for half-precision logits, in ulps of the top logit")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
+    prefer_mlx_attention()
 
     engine = MTPEngine.load(args.model, dtype=args.dtype)
     rows = [orjson.loads(line) for line in Path(args.prompts).read_bytes().splitlines() if line.strip()]

@@ -133,6 +133,31 @@ def test_batch_mode_equals_one_row_at_a_time(tmp_path, job_model, job_engine, ba
         assert batch[rid]["acceptance"]["steps"] is None
 
 
+def test_a_backend_that_cannot_batch_falls_back_to_one_row_at_a_time(tmp_path, job_model, job_engine, monkeypatch):
+    import io
+
+    from mtp_engine.batch import BatchDecoder
+
+    calls = {"step": 0}
+
+    def failing_step(self):
+        calls["step"] += 1
+        raise RuntimeError("simulated kernel launch failure")
+
+    rows = prompt_rows(9)
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    run_job(job_config(dataset, job_model, tmp_path / "single", mode="baseline"), engine=job_engine)
+    monkeypatch.setattr(BatchDecoder, "step", failing_step)
+    log = io.StringIO()
+    summary = run_job(job_config(dataset, job_model, tmp_path / "batch", mode="batch", batch_size=2),
+                      engine=job_engine, stream=log)
+    single, batch = load_rows(tmp_path / "single"), load_rows(tmp_path / "batch")
+    assert summary.errors == 0 and single.keys() == batch.keys()
+    assert all(single[r]["completion"] == batch[r]["completion"] for r in single)
+    assert calls["step"] == 2  # then no more batches
+    assert "decoding the remaining rows one at a time" in log.getvalue()
+
+
 def test_output_is_readable_three_ways(tmp_path, job_model, job_engine):
     dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(7))
     out = tmp_path / "out"

@@ -1,0 +1,26 @@
+"""Backend settings the command-line tools apply before MLX's first kernel.
+
+On MLX's CUDA backend, cuDNN's fused attention builds (and caches) a graph
+for every distinct key length it is called with. Plain decoding calls it
+rarely (one-query attention uses MLX's own vector kernel until the cache is
+long), but a verify forward has K+1 queries and a key length one step longer
+than the last, so it builds a new graph every step. On an H200 with the
+shipped model, chain K=3 ran at 0.40x plain decoding with cuDNN attention and
+1.14x without (`benchmarks/h200/cudnn-*.log`). The tools therefore default
+``MLX_CUDA_USE_CUDNN_SDPA`` to 0; a value the user set is kept. Models whose
+head dimension is over 128 (Qwen3-Next-80B's is 256) never take the cuDNN
+path, so they are unaffected either way. Elsewhere this is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+
+CUDNN_ATTENTION = "MLX_CUDA_USE_CUDNN_SDPA"
+
+
+def prefer_mlx_attention() -> None:
+    """Default MLX's CUDA attention to its own kernels (see module doc).
+
+    Call before the first attention runs (MLX reads the variable once)."""
+    os.environ.setdefault(CUDNN_ATTENTION, "0")
