@@ -29,22 +29,13 @@ import orjson
 from mlx_lm.generate import generate_step
 
 from mtp_engine.backend import prefer_mlx_attention
+from mtp_engine.bench import DEFAULT_MODEL, DEFAULT_PROMPTS, MODE_SPECS
 from mtp_engine.engine import MTPEngine
 
-DEFAULT_MODEL = "models/qwen3-next-tiny-stdlib"
-DEFAULT_PROMPTS = "examples/prompts.jsonl"
 FLOAT32_NEAR_TIE = 1e-4
 MANTISSA_BITS = {mx.bfloat16: 7, mx.float16: 10, mx.float32: 23}
-MODES = {
-    "chain-k2": dict(mode="chain", draft_tokens=2),
-    "chain-k3": dict(mode="chain", draft_tokens=3),
-    "chain-k4": dict(mode="chain", draft_tokens=4),
-    "adaptive-k5": dict(mode="adaptive", draft_tokens=5, tau=0.5),
-    "tree-k3": dict(mode="tree", draft_tokens=3),
-    "adaptive_tree-k5": dict(mode="adaptive_tree", draft_tokens=5, tau=0.5),
-    "paths-k3-p2": dict(mode="paths", draft_tokens=3, paths=2),
-    "paths-k3-p3": dict(mode="paths", draft_tokens=3, paths=3),
-}
+# The benchmark's speculative modes (baseline is what they are checked against).
+MODES = {name: spec for name, spec in MODE_SPECS.items() if spec and spec["mode"] != "baseline"}
 
 
 @dataclass
