@@ -154,6 +154,9 @@ class Totals:
     steps: int = 0
     accepted: int = 0
     shards: int = 0
+    # (start, end) of each shard's making, to count time once where ranks
+    # (or writers) worked at the same moment.
+    spans: list[tuple[float, float]] = field(default_factory=list)
 
     def add(self, e: LedgerEntry) -> None:
         self.rows += e.rows
@@ -164,6 +167,17 @@ class Totals:
         self.steps += e.steps
         self.accepted += e.accepted
         self.shards += 1
+        self.spans.append((e.committed_at - e.wall_s, e.committed_at))
+
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds during which at least one writer was making a shard."""
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(self.spans):
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
 
     @property
     def acceptance_length(self) -> float | None:
@@ -171,7 +185,8 @@ class Totals:
 
     @property
     def tokens_per_s(self) -> float | None:
-        return self.completion_tokens / self.wall_s if self.wall_s > 0 else None
+        elapsed = self.elapsed_s
+        return self.completion_tokens / elapsed if elapsed > 0 else None
 
     def to_dict(self) -> dict:
         return {
@@ -180,6 +195,7 @@ class Totals:
             "completion_tokens": self.completion_tokens,
             "decode_s": round(self.decode_s, 3),
             "wall_s": round(self.wall_s, 3),
+            "elapsed_s": round(self.elapsed_s, 3),
             "tokens_per_s": self.tokens_per_s,
             "acceptance_length": self.acceptance_length,
             "shards": self.shards,

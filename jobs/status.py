@@ -39,7 +39,7 @@ def print_status(folder: Path, stream=None) -> int:
         f"mode:      {cfg.get('mode')} (K={cfg.get('draft_tokens')}, P={cfg.get('paths')}, tau={cfg.get('tau')})",
         f"rows:      {t.rows}/{total if total is not None else '?'} done{pct}, {t.errors} errors",
         f"tokens:    {t.completion_tokens} completion tokens in {t.shards} shards",
-        f"speed:     {t.tokens_per_s:.1f} tokens/s (wall time of committed shards)" if t.tokens_per_s else "speed:     -",
+        f"speed:     {t.tokens_per_s:.1f} tokens/s (over {t.elapsed_s:.0f} s of work; ranks at work together count once)" if t.tokens_per_s else "speed:     -",
         f"acceptance length: {t.acceptance_length:.2f} tokens per verify step" if t.acceptance_length else "acceptance length: -",
         f"fingerprint: {manifest.get('fingerprint')}",
     ]

@@ -66,6 +66,22 @@ def test_generate_then_status(tmp_path, job_model, capsys):
     assert "acceptance length:" in status and "tokens/s" in status
 
 
+def test_status_speed_counts_ranks_working_together_once():
+    from jobs.output import LedgerEntry, Totals
+
+    def entry(writer, start, seconds, tokens):
+        return LedgerEntry(shard=f"{writer}-{start}", writer=writer, ids=[], rows=1, errors=0,
+                           completion_tokens=tokens, decode_s=seconds, wall_s=seconds, steps=0, accepted=0,
+                           committed_at=start + seconds)
+
+    t = Totals()
+    # Two ranks side by side for 10 s, then (a resume) one rank alone for 5 s.
+    for e in (entry("r000", 0, 10, 100), entry("r001", 0, 10, 100), entry("r000", 20, 5, 50)):
+        t.add(e)
+    assert t.elapsed_s == pytest.approx(15)
+    assert t.tokens_per_s == pytest.approx(250 / 15)
+
+
 def test_job_that_cannot_run_exits_nonzero_with_the_reason(tmp_path, capsys):
     dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(1))
     code = main(["generate", "--dataset", str(dataset), "--model", str(tmp_path / "nomodel"), "--output", str(tmp_path / "o")])
