@@ -294,6 +294,8 @@ class MTPEngine:
             drafted = spec.propose(drafter, state, depth) if depth >= 1 else [[]]
             t1 = time.perf_counter()
             out = self._verify(caches, x, drafted)
+            if isinstance(drafted, mx.array):
+                drafted = drafted.tolist()  # evaluated with the verify forward
             stats.draft_s += t1 - t0
             stats.verify_s += time.perf_counter() - t1
             stats.steps += 1
@@ -310,9 +312,10 @@ class MTPEngine:
             drafter.commit(state, out.hidden, out.emitted)
             x = out.emitted[-1]
 
-    def _verify(self, caches: list, x: int, paths: list[list[int]]) -> VerifyOutcome:
+    def _verify(self, caches: list, x: int, paths: list[list[int]] | mx.array) -> VerifyOutcome:
         """One trunk forward over ``[x, path]`` for every path; commit the
-        winning row's accepted prefix."""
+        winning row's accepted prefix. ``paths`` may be a lazy ``[P, K]``
+        array of draft tokens (evaluated here, with the forward)."""
         n_paths, width = len(paths), len(paths[0]) + 1
         snaps = None if self.use_checkpoints else snapshot(caches)
         if n_paths > 1:
@@ -321,9 +324,14 @@ class MTPEngine:
             for c in caches:
                 if isinstance(c, CheckpointArraysCache):
                     c.begin_capture()
-        inputs = mx.array([[x] + p for p in paths])  # [P, K+1]
+        if isinstance(paths, mx.array):
+            inputs = mx.concatenate([mx.full((n_paths, 1), x, dtype=paths.dtype), paths], axis=1)
+        else:
+            inputs = mx.array([[x] + p for p in paths])  # [P, K+1]
         hidden = self.model.model(inputs, cache=caches)  # [P, K+1, dim]
         targets = greedy_tokens(self.lm_head(hidden)).tolist()  # [P][K+1]
+        if isinstance(paths, mx.array):
+            paths = paths.tolist()
 
         best_row, best_n = 0, -1
         for r, (path, g) in enumerate(zip(paths, targets)):
