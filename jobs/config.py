@@ -15,7 +15,7 @@ JOB_MODES = MODES + ("batch", "auto")
 
 # What "auto" (the default) becomes on each MLX backend, from `make bench` on
 # the shipped model (README, Benchmarks). Over a dataset, continuous batching
-# wins on both: on the 2-core CPU 130-133 tok/s at B=16-32 against 119 for
+# wins on both: on the 2-core CPU 129-133 tok/s at B=16-32 against 119 for
 # plain decoding and 98 for the best speculative mode; on an H200 (CUDA)
 # 455 / 1001 tok/s at B=16 / 32 against 137 for plain decoding and 155 for
 # the best speculative mode (chain K=2). The anchor for the 80B-A3B
