@@ -32,7 +32,7 @@ case "${1:?shipped, 80b or cudnn}" in
       echo "cudnn=$v exit $?"; tail -5 "$out/cudnn-$v.log"
     done ;;
   lossless)
-    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-150}" python3 -u -m mtp_engine.lossless --limit 12 --max-tokens 64 \
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-240}" python3 -u -m mtp_engine.lossless --limit 12 --max-tokens 64 \
       --json "$out/lossless-bf16.json" 2>&1 | tee "$out/lossless-bf16.log"
     MLX_CUDA_USE_CUDNN_SDPA=0 MLX_ENABLE_TF32=0 timeout "${LIMIT:-150}" python3 -u -m mtp_engine.lossless --limit 12 \
       --max-tokens 64 --dtype float32 --json "$out/lossless-fp32.json" 2>&1 | tee "$out/lossless-fp32.log" ;;
