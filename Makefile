@@ -17,6 +17,18 @@ ARGS ?=
 NP ?= 1
 PYTEST_ARGS ?=
 
+# Linux CPU: MLX's wheel links the reference (netlib) BLAS. native/cblas_openblas.c
+# routes MLX's sgemm to OpenBLAS (the scipy-openblas32 wheel) when LD_PRELOADed;
+# `make install` builds it when a C compiler is present, `make generate` and
+# `make bench` use it when it exists. `make test` runs on MLX's own BLAS (its
+# bit-exact checkpoint tests assume one-row and many-row matmuls round alike),
+# plus a lossless check under the shim.
+CBLAS_SHIM := $(VENV)/lib/libmtp_cblas.so
+ifeq ($(shell uname -s)-$(MLX_BACKEND),Linux-cpu)
+SHIM_TARGET := $(CBLAS_SHIM)
+endif
+WITH_SHIM = env $$(test -f $(CBLAS_SHIM) && echo LD_PRELOAD=$(abspath $(CBLAS_SHIM)))
+
 .PHONY: install test generate bench clean-venv
 
 $(VENV)/.installed: pyproject.toml
@@ -25,21 +37,27 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
-install: $(VENV)/.installed
+$(CBLAS_SHIM): native/cblas_openblas.c $(VENV)/.installed
+	@lib=$$($(PY) -c "import scipy_openblas32 as o; print(o.get_lib_dir())") && \
+	  $${CC:-cc} -O2 -shared -fPIC $< -o $@ -L$$lib -lscipy_openblas -Wl,-rpath,$$lib && \
+	  echo "built $@ (MLX's CPU sgemm -> OpenBLAS)" || \
+	  { rm -f $@; echo "note: could not build $@ (no C compiler?); MLX keeps its reference BLAS"; }
 
-test: $(VENV)/.installed
+install: $(VENV)/.installed $(SHIM_TARGET)
+
+test: $(VENV)/.installed $(SHIM_TARGET)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-generate: $(VENV)/.installed
+generate: $(VENV)/.installed $(SHIM_TARGET)
 	@test -n "$(DATASET)" || { echo "usage: make generate DATASET=path [MODEL=dir] [OUT=dir] [ARGS=\"...\"] [NP=n]"; exit 2; }
 ifeq ($(NP),1)
-	$(PY) -m jobs generate --dataset "$(DATASET)" --model "$(MODEL)" --output "$(OUT)" $(ARGS)
+	$(WITH_SHIM) $(PY) -m jobs generate --dataset "$(DATASET)" --model "$(MODEL)" --output "$(OUT)" $(ARGS)
 else
-	$(VENV)/bin/mlx.launch --backend ring -n $(NP) -- $(abspath $(PY)) -m jobs generate --dataset "$(DATASET)" --model "$(MODEL)" --output "$(OUT)" $(ARGS)
+	$(WITH_SHIM) $(VENV)/bin/mlx.launch --backend ring -n $(NP) -- $(abspath $(PY)) -m jobs generate --dataset "$(DATASET)" --model "$(MODEL)" --output "$(OUT)" $(ARGS)
 endif
 
-bench: $(VENV)/.installed
-	$(PY) -m mtp_engine.bench $(ARGS)
+bench: $(VENV)/.installed $(SHIM_TARGET)
+	$(WITH_SHIM) $(PY) -m mtp_engine.bench $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

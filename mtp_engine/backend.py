@@ -15,6 +15,7 @@ path, so they are unaffected either way. Elsewhere this is a no-op.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 CUDNN_ATTENTION = "MLX_CUDA_USE_CUDNN_SDPA"
 
@@ -24,3 +25,16 @@ def prefer_mlx_attention() -> None:
 
     Call before the first attention runs (MLX reads the variable once)."""
     os.environ.setdefault(CUDNN_ATTENTION, "0")
+
+
+def cpu_blas() -> str:
+    """Which BLAS serves MLX's CPU matmuls in this process: OpenBLAS when
+    ``native/cblas_openblas.c`` is preloaded (``make install`` builds it on
+    Linux), else the one MLX bundles."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    if "libmtp_cblas" in maps and "libscipy_openblas" in maps:
+        return "openblas (scipy-openblas32 via native/cblas_openblas.c)"
+    return "bundled with mlx"

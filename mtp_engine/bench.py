@@ -24,7 +24,7 @@ import mlx.core as mx
 import orjson
 from mlx_lm.generate import generate_step
 
-from mtp_engine.backend import prefer_mlx_attention
+from mtp_engine.backend import cpu_blas, prefer_mlx_attention
 from mtp_engine.engine import MTPEngine
 from mtp_engine.recurrent import CheckpointArraysCache, make_main_cache
 
@@ -94,6 +94,8 @@ def machine_info() -> dict:
         "device": str(mx.default_device()),
         "mlx": mx.__version__,
     }
+    if mx.default_device() == mx.cpu:
+        info["blas"] = cpu_blas()
     try:
         import mlx_lm
 
@@ -353,6 +355,8 @@ def main(argv=None) -> int:
         model_name = args.model
     started = time.perf_counter()
     report = {"model": model_name, "machine": machine_info(), "runs": []}
+    log(f"{model_name} on {report['machine']['device']}"
+        + (f", BLAS: {report['machine']['blas']}" if "blas" in report["machine"] else ""))
     for i, context in enumerate(args.contexts or [args.context]):
         if args.time_budget and time.perf_counter() - started > args.time_budget:
             log(f"time budget spent; skipping context {context}")

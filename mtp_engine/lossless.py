@@ -28,7 +28,7 @@ import mlx.core as mx
 import orjson
 from mlx_lm.generate import generate_step
 
-from mtp_engine.backend import prefer_mlx_attention
+from mtp_engine.backend import cpu_blas, prefer_mlx_attention
 from mtp_engine.bench import DEFAULT_MODEL, DEFAULT_PROMPTS, MODE_SPECS
 from mtp_engine.engine import MTPEngine
 
@@ -161,7 +161,8 @@ def main(argv=None) -> int:
     rows = [orjson.loads(line) for line in Path(args.prompts).read_bytes().splitlines() if line.strip()]
     prompts = [engine.encode(r["prompt"]) for r in rows[: args.limit]]
     dtype = engine.model.model.embed_tokens.weight.dtype
-    print(f"{args.model} ({dtype}) on {mx.default_device()}: {len(prompts)} prompts x "
+    blas = f", BLAS: {cpu_blas()}" if mx.default_device() == mx.cpu else ""
+    print(f"{args.model} ({dtype}) on {mx.default_device()}{blas}: {len(prompts)} prompts x "
           f"{args.max_tokens} tokens x {len(args.modes)} modes", flush=True)
     def save(report: Report) -> None:
         if not args.json:
