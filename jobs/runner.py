@@ -25,6 +25,7 @@ from jobs.progress import Progress
 from jobs.prompts import Preparer, Request, RowError
 from jobs.readers import PromptSource
 from mtp_engine import MTPEngine
+from mtp_engine.backend import cpu_blas
 from mtp_engine.batch import BatchDecoder
 from schemas.arrow import SCHEMA_VERSION, completion_row, error_row
 
@@ -198,10 +199,15 @@ def run_job(
         stream=stream,
         prefix=f"[rank {rank}/{world}] " if world > 1 else "",
     )
+    blas = ""
+    if mx.default_device() == mx.cpu:
+        blas = f" | BLAS: {cpu_blas()}"
+        if blas.endswith("bundled with mlx") and (Path(sys.prefix) / "lib" / "libmtp_cblas.so").exists():
+            blas += f" (LD_PRELOAD={Path(sys.prefix) / 'lib' / 'libmtp_cblas.so'} is faster)"
     progress.log(
         f"job: {config.dataset} -> {config.output} | model {Path(config.model).name} | "
         f"mode {config.mode}{' (auto)' if requested == 'auto' else ''} | "
-        f"{len(out.done_ids)} rows already done"
+        f"{len(out.done_ids)} rows already done{blas}"
     )
 
     def finish(row: dict, steps: int = 0, accepted: int = 0) -> None:
