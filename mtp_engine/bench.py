@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -351,7 +352,11 @@ def main(argv=None) -> int:
         engine = MTPEngine(random_quantized_checkpoint(qwen3_next_80b_config(**overrides)))
         model_name = f"synthetic {args.synthetic} (random 4-bit weights)"
     else:
-        engine = MTPEngine.load(args.model, dtype=args.dtype)
+        try:
+            engine = MTPEngine.load(args.model, dtype=args.dtype)
+        except (OSError, ValueError) as e:  # missing folder, bad checkpoint or dtype
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         model_name = args.model
     started = time.perf_counter()
     report = {"model": model_name, "machine": machine_info(), "runs": []}

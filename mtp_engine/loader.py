@@ -157,6 +157,10 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> LoadedCheckpo
     """
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype in ("bfloat16", "float16") and mx.default_device() == mx.cpu:
+        # MLX's CPU backend runs the MoE expert matmuls (GatherMM) in float32 only.
+        raise ValueError(f"dtype {dtype!r} cannot run on MLX's CPU backend (its MoE matmuls are "
+                         "float32-only); use 'float32' or leave dtype unset")
     folder, config = read_config(path)
     # The head first: a folder without one fails before the trunk is read.
     head = load_mtp_head(folder, config)

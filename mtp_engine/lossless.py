@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -157,7 +158,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     prefer_mlx_attention()
 
-    engine = MTPEngine.load(args.model, dtype=args.dtype)
+    try:
+        engine = MTPEngine.load(args.model, dtype=args.dtype)
+    except (OSError, ValueError) as e:  # missing folder, bad checkpoint or dtype
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     rows = [orjson.loads(line) for line in Path(args.prompts).read_bytes().splitlines() if line.strip()]
     prompts = [engine.encode(r["prompt"]) for r in rows[: args.limit]]
     dtype = engine.model.model.embed_tokens.weight.dtype

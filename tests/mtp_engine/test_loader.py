@@ -58,6 +58,13 @@ def test_head_of_another_shape_is_refused(tmp_path, tiny_path):
         MTPEngine.load(folder)
 
 
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="a limit of MLX's CPU backend")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_on_the_cpu_backend_is_refused_by_name(tiny_path, dtype):
+    with pytest.raises(ValueError, match=f"{dtype}.*float32"):
+        MTPEngine.load(tiny_path, dtype=dtype)
+
+
 def test_prompt_longer_than_context(tmp_path):
     folder = make_tiny_checkpoint(tmp_path / "short", tiny_config(max_position_embeddings=32))
     engine = MTPEngine.load(folder)
