@@ -25,7 +25,7 @@ from jobs.progress import Progress
 from jobs.prompts import Preparer, Request, RowError
 from jobs.readers import PromptSource
 from mtp_engine import MTPEngine
-from mtp_engine.backend import cpu_blas
+from mtp_engine.backend import BUNDLED, CBLAS_SHIM, cpu_blas
 from mtp_engine.batch import BatchDecoder
 from schemas.arrow import SCHEMA_VERSION, completion_row, error_row
 
@@ -201,9 +201,10 @@ def run_job(
     )
     blas = ""
     if mx.default_device() == mx.cpu:
-        blas = f" | BLAS: {cpu_blas()}"
-        if blas.endswith("bundled with mlx") and (Path(sys.prefix) / "lib" / "libmtp_cblas.so").exists():
-            blas += f" (LD_PRELOAD={Path(sys.prefix) / 'lib' / 'libmtp_cblas.so'} is faster)"
+        served_by = cpu_blas()
+        blas = f" | BLAS: {served_by}"
+        if served_by == BUNDLED and CBLAS_SHIM.exists():
+            blas += f" (LD_PRELOAD={CBLAS_SHIM} is faster)"
     progress.log(
         f"job: {config.dataset} -> {config.output} | model {Path(config.model).name} | "
         f"mode {config.mode}{' (auto)' if requested == 'auto' else ''} | "

@@ -15,9 +15,14 @@ path, so they are unaffected either way. Elsewhere this is a no-op.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 CUDNN_ATTENTION = "MLX_CUDA_USE_CUDNN_SDPA"
+# Where `make install` builds native/cblas_openblas.c (Linux, CPU backend).
+CBLAS_SHIM = Path(sys.prefix) / "lib" / "libmtp_cblas.so"
+OPENBLAS = "openblas (scipy-openblas32 via native/cblas_openblas.c)"
+BUNDLED = "bundled with mlx"
 
 
 def prefer_mlx_attention() -> None:
@@ -35,6 +40,6 @@ def cpu_blas() -> str:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return "unknown"
-    if "libmtp_cblas" in maps and "libscipy_openblas" in maps:
-        return "openblas (scipy-openblas32 via native/cblas_openblas.c)"
-    return "bundled with mlx"
+    if CBLAS_SHIM.name in maps and "libscipy_openblas" in maps:
+        return OPENBLAS
+    return BUNDLED

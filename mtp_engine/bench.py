@@ -289,6 +289,16 @@ def _drain(engine, prompts, max_tokens: int, size: int) -> tuple[int, float]:
     return tokens, time.perf_counter() - t
 
 
+def load_engine(model: str, dtype: str | None) -> MTPEngine:
+    """The engine for a command-line tool; a bad folder or dtype ends the
+    process with the reason and exit status 2, not a traceback."""
+    try:
+        return MTPEngine.load(model, dtype=dtype)
+    except (OSError, ValueError) as e:  # missing folder, bad checkpoint or dtype
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def read_prompts(engine, path: str, limit: int, context: int | None) -> list[list[int]]:
     rows = [orjson.loads(line) for line in Path(path).read_bytes().splitlines() if line.strip()]
     prompts = [engine.encode(r["prompt"]) for r in rows[:limit]]
@@ -352,11 +362,7 @@ def main(argv=None) -> int:
         engine = MTPEngine(random_quantized_checkpoint(qwen3_next_80b_config(**overrides)))
         model_name = f"synthetic {args.synthetic} (random 4-bit weights)"
     else:
-        try:
-            engine = MTPEngine.load(args.model, dtype=args.dtype)
-        except (OSError, ValueError) as e:  # missing folder, bad checkpoint or dtype
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        engine = load_engine(args.model, args.dtype)
         model_name = args.model
     started = time.perf_counter()
     report = {"model": model_name, "machine": machine_info(), "runs": []}

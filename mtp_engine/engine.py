@@ -48,12 +48,14 @@ class VerifyOutcome:
         accepted: Drafts accepted on that row (n).
         emitted: ``d_1..d_n`` and the bonus token.
         hidden: Trunk hiddens at positions ``0..n`` of that row, ``[1, n+1, dim]``.
+        paths: The drafted paths as token lists (host copies of lazy drafts).
     """
 
     row: int
     accepted: int
     emitted: list[int]
     hidden: mx.array
+    paths: list[list[int]]
 
 
 def greedy_tokens(logits: mx.array) -> mx.array:
@@ -294,8 +296,7 @@ class MTPEngine:
             drafted = spec.propose(drafter, state, depth) if depth >= 1 else [[]]
             t1 = time.perf_counter()
             out = self._verify(caches, x, drafted)
-            if isinstance(drafted, mx.array):
-                drafted = drafted.tolist()  # evaluated with the verify forward
+            drafted = out.paths
             stats.draft_s += t1 - t0
             stats.verify_s += time.perf_counter() - t1
             stats.steps += 1
@@ -349,4 +350,4 @@ class MTPEngine:
         if not committed:
             commit_by_replay(self.model.model, caches, snaps, mx.array([[x] + path[:best_n]]))
             mx.eval([c.state for c in caches])
-        return VerifyOutcome(best_row, best_n, emitted, hidden[best_row : best_row + 1, :keep])
+        return VerifyOutcome(best_row, best_n, emitted, hidden[best_row : best_row + 1, :keep], paths)

@@ -21,16 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
-import orjson
 from mlx_lm.generate import generate_step
 
 from mtp_engine.backend import cpu_blas, prefer_mlx_attention
-from mtp_engine.bench import DEFAULT_MODEL, DEFAULT_PROMPTS, MODE_SPECS
+from mtp_engine.bench import DEFAULT_MODEL, DEFAULT_PROMPTS, MODE_SPECS, load_engine, read_prompts
 from mtp_engine.engine import MTPEngine
 
 FLOAT32_NEAR_TIE = 1e-4
@@ -158,13 +156,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     prefer_mlx_attention()
 
-    try:
-        engine = MTPEngine.load(args.model, dtype=args.dtype)
-    except (OSError, ValueError) as e:  # missing folder, bad checkpoint or dtype
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    rows = [orjson.loads(line) for line in Path(args.prompts).read_bytes().splitlines() if line.strip()]
-    prompts = [engine.encode(r["prompt"]) for r in rows[: args.limit]]
+    engine = load_engine(args.model, args.dtype)
+    prompts = read_prompts(engine, args.prompts, args.limit, None)
     dtype = engine.model.model.embed_tokens.weight.dtype
     blas = f", BLAS: {cpu_blas()}" if mx.default_device() == mx.cpu else ""
     print(f"{args.model} ({dtype}) on {mx.default_device()}{blas}: {len(prompts)} prompts x "

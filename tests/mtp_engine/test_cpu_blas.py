@@ -13,15 +13,16 @@ from pathlib import Path
 
 import pytest
 
-SHIM = Path(sys.prefix) / "lib" / "libmtp_cblas.so"
+from mtp_engine.backend import CBLAS_SHIM, OPENBLAS
+
 pytestmark = pytest.mark.skipif(
-    not SHIM.exists(), reason=f"{SHIM} not built (`make install` on Linux with a C compiler builds it)"
+    not CBLAS_SHIM.exists(), reason=f"{CBLAS_SHIM} not built (`make install` on Linux with a C compiler builds it)"
 )
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_preloaded(args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "LD_PRELOAD": str(SHIM)}
+    env = {**os.environ, "LD_PRELOAD": str(CBLAS_SHIM)}
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
@@ -38,7 +39,7 @@ def test_preloaded_shim_serves_mlx_matmuls_correctly():
     proc = run_preloaded(["-c", script])
     assert proc.returncode == 0, proc.stderr
     blas, err = proc.stdout.split("\n")[:2]
-    assert blas.startswith("openblas")
+    assert blas == OPENBLAS
     assert float(err) < 1e-3
 
 
