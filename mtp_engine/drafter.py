@@ -141,20 +141,6 @@ class MTPDrafter:
         d = int(mx.argmax(logits))
         return [d] + self._continue(state, m, d, k - 1)
 
-    def draft_lazy(self, state: MTPDraftState, k: int) -> mx.array:
-        """The same K greedy draft tokens as `draft`, as a ``[1, K]`` array
-        whose evaluation has started but is not waited for: the host builds
-        the verify forward while the device drafts, and the step needs one
-        host sync instead of K+1."""
-        logits, m = self.first_step(state)
-        tokens = [mx.argmax(logits)]
-        for _ in range(k - 1):
-            logits, m = self._forward(state, m, tokens[-1].reshape(1, 1))
-            tokens.append(mx.argmax(logits))
-        drafts = mx.stack(tokens)[None]
-        mx.async_eval(drafts)
-        return drafts
-
     def draft_adaptive(self, state: MTPDraftState, depth_max: int, tau: float) -> list[int]:
         """Greedy chain that stops once the running product of top-1
         probabilities falls below ``tau``; 1..depth_max tokens."""

@@ -48,14 +48,12 @@ class VerifyOutcome:
         accepted: Drafts accepted on that row (n).
         emitted: ``d_1..d_n`` and the bonus token.
         hidden: Trunk hiddens at positions ``0..n`` of that row, ``[1, n+1, dim]``.
-        paths: The drafted paths as token lists (host copies of lazy drafts).
     """
 
     row: int
     accepted: int
     emitted: list[int]
     hidden: mx.array
-    paths: list[list[int]]
 
 
 def greedy_tokens(logits: mx.array) -> mx.array:
@@ -296,7 +294,6 @@ class MTPEngine:
             drafted = spec.propose(drafter, state, depth) if depth >= 1 else [[]]
             t1 = time.perf_counter()
             out = self._verify(caches, x, drafted)
-            drafted = out.paths
             stats.draft_s += t1 - t0
             stats.verify_s += time.perf_counter() - t1
             stats.steps += 1
@@ -313,10 +310,9 @@ class MTPEngine:
             drafter.commit(state, out.hidden, out.emitted)
             x = out.emitted[-1]
 
-    def _verify(self, caches: list, x: int, paths: list[list[int]] | mx.array) -> VerifyOutcome:
+    def _verify(self, caches: list, x: int, paths: list[list[int]]) -> VerifyOutcome:
         """One trunk forward over ``[x, path]`` for every path; commit the
-        winning row's accepted prefix. ``paths`` may be a lazy ``[P, K]``
-        array of draft tokens (evaluated here, with the forward)."""
+        winning row's accepted prefix."""
         n_paths, width = len(paths), len(paths[0]) + 1
         snaps = None if self.use_checkpoints else snapshot(caches)
         if n_paths > 1:
@@ -325,14 +321,9 @@ class MTPEngine:
             for c in caches:
                 if isinstance(c, CheckpointArraysCache):
                     c.begin_capture()
-        if isinstance(paths, mx.array):
-            inputs = mx.concatenate([mx.full((n_paths, 1), x, dtype=paths.dtype), paths], axis=1)
-        else:
-            inputs = mx.array([[x] + p for p in paths])  # [P, K+1]
+        inputs = mx.array([[x] + p for p in paths])  # [P, K+1]
         hidden = self.model.model(inputs, cache=caches)  # [P, K+1, dim]
         targets = greedy_tokens(self.lm_head(hidden)).tolist()  # [P][K+1]
-        if isinstance(paths, mx.array):
-            paths = paths.tolist()
 
         best_row, best_n = 0, -1
         for r, (path, g) in enumerate(zip(paths, targets)):
@@ -350,4 +341,4 @@ class MTPEngine:
         if not committed:
             commit_by_replay(self.model.model, caches, snaps, mx.array([[x] + path[:best_n]]))
             mx.eval([c.state for c in caches])
-        return VerifyOutcome(best_row, best_n, emitted, hidden[best_row : best_row + 1, :keep], paths)
+        return VerifyOutcome(best_row, best_n, emitted, hidden[best_row : best_row + 1, :keep])

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import mlx.core as mx
-
 from mtp_engine.drafter import MTPDrafter, MTPDraftState
 
 MODES = ("baseline", "chain", "adaptive", "tree", "adaptive_tree", "paths")
@@ -68,13 +66,11 @@ class DecodeConfig:
         tau = self.tau if self.mode in ("adaptive", "adaptive_tree") else None
         return {"draft_tokens": self.draft_tokens, "paths": self.max_paths, "tau": tau}
 
-    def propose(self, drafter: MTPDrafter, state: MTPDraftState, depth: int) -> list[list[int]] | mx.array:
-        """Draft for one verify step, at most ``depth`` tokens deep (>= 1):
-        a list of paths, or for a chain a lazy ``[1, K]`` array that the
-        verify forward consumes without a host sync in between."""
+    def propose(self, drafter: MTPDrafter, state: MTPDraftState, depth: int) -> list[list[int]]:
+        """Draft for one verify step, at most ``depth`` tokens deep (>= 1)."""
         k = min(self.draft_tokens, depth)
         if self.mode == "chain":
-            return drafter.draft_lazy(state, k)
+            return [drafter.draft(state, k)]
         if self.mode == "adaptive":
             return [drafter.draft_adaptive(state, k, self.tau)]
         if self.mode == "tree":
