@@ -317,10 +317,8 @@ def _run_batch(engine, config, work, finish, stop, log=None) -> None:
     in_flight: dict[str, Request] = {}
     failures = 0
 
-    def redo_one_at_a_time() -> None:
-        for key in decoder.drop_all():
-            req = in_flight.pop(key)
-            finish(_request_result(req, *_generate_with_retry(engine, config, req)))
+    def one_row(req: Request) -> None:
+        finish(_request_result(req, *_generate_with_retry(engine, config, req)))
 
     def drain_one_step() -> None:
         nonlocal failures
@@ -330,7 +328,8 @@ def _run_batch(engine, config, work, finish, stop, log=None) -> None:
             # The whole batch failed: redo its rows one at a time, with a retry.
             failures += 1
             mx.clear_cache()
-            redo_one_at_a_time()
+            for key in decoder.drop_all():
+                one_row(in_flight.pop(key))
             if failures == BATCH_FAILURES_BEFORE_FALLBACK and log is not None:
                 log(f"batch decoding failed {failures} times in a row ({type(e).__name__}: {e}); "
                     "decoding the remaining rows one at a time")
@@ -345,18 +344,15 @@ def _run_batch(engine, config, work, finish, stop, log=None) -> None:
             if isinstance(item, RowError):
                 finish(_error_to_row(item))
                 continue
-            if failures >= BATCH_FAILURES_BEFORE_FALLBACK:
-                finish(_request_result(item, *_generate_with_retry(engine, config, item)))
-                continue
             while decoder.pending >= config.batch_size:
                 drain_one_step()
+            if failures >= BATCH_FAILURES_BEFORE_FALLBACK:  # batching given up; nothing in flight
+                one_row(item)
+                continue
             in_flight[item.id] = item
             decoder.add(item.id, item.prompt_ids, max_tokens=item.max_tokens, stop=list(item.stop) or None)
         while decoder.pending and not stop.requested:
-            if failures >= BATCH_FAILURES_BEFORE_FALLBACK:
-                redo_one_at_a_time()
-            else:
-                drain_one_step()
+            drain_one_step()
         if stop.requested:
             decoder.drop_all()  # rows in flight are redone on resume
     finally:
