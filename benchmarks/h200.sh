@@ -8,6 +8,9 @@
 #   bash benchmarks/h200.sh 80b-batch # 80B-A3B shapes, batch mode at B = 1, 8, 16, 32
 #   bash benchmarks/h200.sh cudnn     # shipped model, cuDNN attention on and off
 #   bash benchmarks/h200.sh lossless  # shipped model, every mode vs mlx-lm greedy, bf16 and fp32
+#   bash benchmarks/h200.sh compile   # shipped model, compiled decoder layers against eager ones
+#   bash benchmarks/h200.sh 80b-compile # 80B-A3B shapes at 1K, compiled against eager
+#   bash benchmarks/h200.sh lossless8 # shipped model, bf16, 8 prompts x every mode, with measured noise
 #
 # cuDNN's attention builds a graph for every new key length it sees; a verify
 # forward over K+1 queries gets a new key length every step, so the runs turn
@@ -35,6 +38,21 @@ case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
         --modes baseline chain-k3 --batch-sizes --json "$out/cudnn-$v.json" > "$out/cudnn-$v.log" 2>&1
       echo "cudnn=$v exit $?"; tail -5 "$out/cudnn-$v.log"
     done ;;
+  compile)
+    for l in compiled eager; do
+      MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-170}" $bench --limit 8 --max-tokens 64 --rounds 1 \
+        --modes baseline mlx_lm chain-k2 chain-k3 tree-k3 --batch-sizes --layers $l \
+        --json "$out/compile-$l.json" 2>&1 | tee "$out/compile-$l.log"
+    done ;;
+  80b-compile)
+    for l in compiled eager; do  # compiled timed out in its cost model on 2026-11-30
+      MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-270}" $bench --synthetic 80b --limit 1 --max-tokens 32 \
+        --rounds 1 --modes baseline mlx_lm chain-k2 chain-k3 --contexts 1024 --batch-sizes --layers $l \
+        --json "$out/80b-compile-$l.json" 2>&1 | tee "$out/80b-compile-$l.log"
+    done ;;
+  lossless8)
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-400}" python3 -u -m mtp_engine.lossless --limit 8 --max-tokens 64 \
+      --json "$out/lossless-bf16-noise.json" 2>&1 | tee "$out/lossless-bf16-noise.log" ;;
   lossless)
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-240}" python3 -u -m mtp_engine.lossless --limit 12 --max-tokens 64 \
       --json "$out/lossless-bf16.json" 2>&1 | tee "$out/lossless-bf16.log"

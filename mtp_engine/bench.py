@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from mlx_lm.generate import generate_step
 
 from mtp_engine.backend import cpu_blas, prefer_mlx_attention
 from mtp_engine.engine import MTPEngine
+from mtp_engine.compiled import CompiledDecoderLayer
 from mtp_engine.recurrent import CheckpointArraysCache, make_main_cache
 
 DEFAULT_MODEL = "models/qwen3-next-tiny-stdlib"
@@ -174,7 +176,7 @@ def _run_one(engine, ids, name, max_tokens):
 
 def forward_costs(engine: MTPEngine, context: list[int], widths: list[int], repeats: int = 20) -> dict:
     """Seconds of a verify forward (checkpoints on) over T tokens, and of one
-    MTP draft step, after a prefill of ``context``."""
+    MTP draft step, after a prefill of ``context`` (medians of ``repeats``)."""
     model = engine.model
     caches = make_main_cache(model)
     for start in range(0, len(context), 2048):
@@ -196,10 +198,7 @@ def forward_costs(engine: MTPEngine, context: list[int], widths: list[int], repe
     out = {}
     for width in widths:
         verify(width)
-        t = time.perf_counter()
-        for _ in range(repeats):
-            verify(width)
-        out[width] = (time.perf_counter() - t) / repeats
+        out[width] = _median_seconds(lambda: verify(width), repeats)
     drafter = engine.drafter
     state = drafter.new_state()
     n = min(64, len(context))
@@ -214,11 +213,19 @@ def forward_costs(engine: MTPEngine, context: list[int], widths: list[int], repe
         drafter.rewind(state, state.base)
 
     mtp_step()
-    t = time.perf_counter()
+    return {"verify_s": out, "mtp_step_s": _median_seconds(mtp_step, repeats)}
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` (each call ends in a sync), so a stray
+    stall (a new trace, a collection, a neighbour on a shared machine) does
+    not move the figure."""
+    times = []
     for _ in range(repeats):
-        mtp_step()
-    mtp = (time.perf_counter() - t) / repeats
-    return {"verify_s": out, "mtp_step_s": mtp}
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def cost_model(costs: dict, rows: list[dict], totals: dict | None = None) -> dict:
@@ -289,11 +296,14 @@ def _drain(engine, prompts, max_tokens: int, size: int) -> tuple[int, float]:
     return tokens, time.perf_counter() - t
 
 
-def load_engine(model: str, dtype: str | None) -> MTPEngine:
+LAYERS = {"auto": None, "compiled": True, "eager": False}
+
+
+def load_engine(model: str, dtype: str | None, compile_layers: bool | None = None) -> MTPEngine:
     """The engine for a command-line tool; a bad folder or dtype ends the
     process with the reason and exit status 2, not a traceback."""
     try:
-        return MTPEngine.load(model, dtype=dtype)
+        return MTPEngine.load(model, dtype=dtype, compile_layers=compile_layers)
     except (OSError, ValueError) as e:  # missing folder, bad checkpoint or dtype
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -347,6 +357,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-limit", type=int, default=None, help="prompts for batch throughput (default --limit)")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds; later contexts are skipped past it")
     parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--layers", choices=["auto", "compiled", "eager"], default="auto",
+                        help="compiled decoder layers (mtp_engine.compiled); auto: on the CPU backend only")
     args = parser.parse_args(argv)
     prefer_mlx_attention()
     log = lambda m: print(m, flush=True)
@@ -359,13 +371,15 @@ def main(argv=None) -> int:
             num_hidden_layers=4, num_experts=16, hidden_size=512, vocab_size=4096,
             linear_num_key_heads=4, linear_num_value_heads=8, num_attention_heads=4,
         )
-        engine = MTPEngine(random_quantized_checkpoint(qwen3_next_80b_config(**overrides)))
+        engine = MTPEngine(random_quantized_checkpoint(
+            qwen3_next_80b_config(**overrides), compile_layers=LAYERS[args.layers]))
         model_name = f"synthetic {args.synthetic} (random 4-bit weights)"
     else:
-        engine = load_engine(args.model, args.dtype)
+        engine = load_engine(args.model, args.dtype, compile_layers=LAYERS[args.layers])
         model_name = args.model
     started = time.perf_counter()
-    report = {"model": model_name, "machine": machine_info(), "runs": []}
+    compiled = any(isinstance(layer, CompiledDecoderLayer) for layer in engine.model.layers)
+    report = {"model": model_name, "machine": machine_info(), "compiled_layers": compiled, "runs": []}
     log(f"{model_name} on {report['machine']['device']}"
         + (f", BLAS: {report['machine']['blas']}" if "blas" in report["machine"] else ""))
     for i, context in enumerate(args.contexts or [args.context]):

@@ -48,12 +48,22 @@ class VerifyOutcome:
         accepted: Drafts accepted on that row (n).
         emitted: ``d_1..d_n`` and the bonus token.
         hidden: Trunk hiddens at positions ``0..n`` of that row, ``[1, n+1, dim]``.
+        logits: That row's logits at positions ``0..n``, ``[n+1, vocab]`` (lazy).
     """
 
     row: int
     accepted: int
     emitted: list[int]
     hidden: mx.array
+    logits: mx.array
+
+
+def top_logits(logits: mx.array, k: int = 4) -> list[list[tuple[int, float]]]:
+    """The ``k`` highest ``(token, logit)`` pairs of each row of ``[n, vocab]``
+    logits, best first (float32 values)."""
+    order = mx.argsort(-logits.astype(mx.float32), axis=-1)[:, :k]
+    values = mx.take_along_axis(logits, order, axis=-1).astype(mx.float32)
+    return [list(zip(t, v)) for t, v in zip(order.tolist(), values.tolist())]
 
 
 def greedy_tokens(logits: mx.array) -> mx.array:
@@ -104,11 +114,20 @@ class MTPEngine:
         )
 
     @classmethod
-    def load(cls, path: str | Path, *, dtype: str | None = None, **kwargs) -> "MTPEngine":
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        dtype: str | None = None,
+        compile_layers: bool | None = None,
+        **kwargs,
+    ) -> "MTPEngine":
         """Load a checkpoint folder (Hub layout, or mlx_lm.convert output that
         holds the ``mtp.*`` tensors). ``dtype`` casts the weights ("float32",
-        "bfloat16", "float16"). See `load_checkpoint` for errors."""
-        return cls(load_checkpoint(path, dtype=dtype), **kwargs)
+        "bfloat16", "float16"); ``compile_layers`` turns compiled decoder
+        layers on or off (default: on MLX's CPU backend only). See
+        `load_checkpoint` for errors."""
+        return cls(load_checkpoint(path, dtype=dtype, compile_layers=compile_layers), **kwargs)
 
     # -- model plumbing ------------------------------------------------------
 
@@ -303,7 +322,7 @@ class MTPEngine:
             stats.row_wins[out.row] += 1
             stats.rescued += out.row > 0
             if steps is not None:
-                steps.append(StepTrace(drafted, out.accepted, out.row, out.emitted))
+                steps.append(StepTrace(drafted, out.accepted, out.row, out.emitted, top_logits(out.logits)))
             finisher.add(out.emitted)
             if finisher.done:
                 return
@@ -323,7 +342,8 @@ class MTPEngine:
                     c.begin_capture()
         inputs = mx.array([[x] + p for p in paths])  # [P, K+1]
         hidden = self.model.model(inputs, cache=caches)  # [P, K+1, dim]
-        targets = greedy_tokens(self.lm_head(hidden)).tolist()  # [P][K+1]
+        logits = self.lm_head(hidden)
+        targets = greedy_tokens(logits).tolist()  # [P][K+1]
 
         best_row, best_n = 0, -1
         for r, (path, g) in enumerate(zip(paths, targets)):
@@ -341,4 +361,6 @@ class MTPEngine:
         if not committed:
             commit_by_replay(self.model.model, caches, snaps, mx.array([[x] + path[:best_n]]))
             mx.eval([c.state for c in caches])
-        return VerifyOutcome(best_row, best_n, emitted, hidden[best_row : best_row + 1, :keep])
+        return VerifyOutcome(
+            best_row, best_n, emitted, hidden[best_row : best_row + 1, :keep], logits[best_row, :keep]
+        )

@@ -22,6 +22,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import infer_quant_config, load_model, load_tokenizer
 
 from mtp_engine.checkpoint_io import MTP_LAYOUT_KEY, MTP_PREFIX, hub_to_mlx, load_prefixed
+from mtp_engine.compiled import install_compiled_layers, wants_compiled_layers
 from mtp_engine.mtp_head import MTPHead
 from mtp_engine.recurrent import install_checkpointing
 
@@ -140,8 +141,12 @@ def load_mtp_head(folder: Path, config: dict) -> MTPHead:
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
-def load_checkpoint(path: str | Path, dtype: str | None = None) -> LoadedCheckpoint:
-    """Load trunk, MTP head and tokenizer, and install per-token checkpoints.
+def load_checkpoint(
+    path: str | Path, dtype: str | None = None, compile_layers: bool | None = None
+) -> LoadedCheckpoint:
+    """Load trunk, MTP head and tokenizer, and install per-token checkpoints
+    and, where ``compile_layers`` says so, compiled decoder layers (see
+    `mtp_engine.compiled`; default: on MLX's CPU backend only).
 
     Args:
         path: A local folder in the Hub layout (single or sharded safetensors)
@@ -151,6 +156,9 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> LoadedCheckpo
             Default: as stored, except on MLX's CPU backend, where half
             precision weights become float32 (its MoE kernel, gather_mm, only
             runs in float32 there).
+        compile_layers: Install compiled decoder layers (True), keep every
+            forward eager (False), or follow the backend (None: compiled on
+            MLX's CPU backend only; see `mtp_engine.compiled`).
 
     Raises:
         FileNotFoundError, CheckpointError, MissingMTPHeadError.
@@ -175,4 +183,6 @@ def load_checkpoint(path: str | Path, dtype: str | None = None) -> LoadedCheckpo
         mx.eval(model.parameters(), head.parameters())
     tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
     install_checkpointing(model)
+    if wants_compiled_layers(compile_layers):
+        install_compiled_layers(model, head)
     return LoadedCheckpoint(model=model, head=head, tokenizer=tokenizer, config=config, path=folder)

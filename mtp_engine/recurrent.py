@@ -48,16 +48,27 @@ class CheckpointArraysCache(ArraysCache):
         self.checkpoints = None
 
 
+def share_weights(cls: type, layer: nn.Module) -> nn.Module:
+    """An instance of ``cls`` (a subclass of ``type(layer)``) that shares
+    ``layer``'s parameters, submodules and settings, copying nothing."""
+    new = cls.__new__(cls)
+    dict.update(new, layer)  # parameters and submodules
+    new.__dict__.update(layer.__dict__)  # shapes, eps, training flag
+    return new
+
+
+class EngineKVCache(KVCache):
+    """A ``KVCache`` made by the engine (`make_main_cache`); full-attention
+    layers take their compiled path only with one (see `mtp_engine.compiled`)."""
+
+
 class CheckpointingGatedDeltaNet(Qwen3NextGatedDeltaNet):
     """Qwen3-Next gated-delta layer that can record per-token checkpoints."""
 
     @classmethod
     def from_layer(cls, layer: Qwen3NextGatedDeltaNet) -> "CheckpointingGatedDeltaNet":
         """A checkpointing layer sharing ``layer``'s parameters and settings."""
-        new = cls.__new__(cls)
-        dict.update(new, layer)  # parameters and submodules (shared, not copied)
-        new.__dict__.update(layer.__dict__)  # shapes, eps, training flag
-        return new
+        return share_weights(cls, layer)
 
     def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
         if not (isinstance(cache, CheckpointArraysCache) and cache.capture):
@@ -67,64 +78,96 @@ class CheckpointingGatedDeltaNet(Qwen3NextGatedDeltaNet):
     def _call_capturing(
         self, inputs: mx.array, mask, cache: CheckpointArraysCache
     ) -> mx.array:
-        # Mirrors Qwen3NextGatedDeltaNet.__call__ (mlx-lm 0.32), keeping every
-        # per-token conv window and recurrent state.
         B, S, _ = inputs.shape
-        q, k, v, z, b, a = self.fix_query_key_value_ordering(
-            self.in_proj_qkvz(inputs), self.in_proj_ba(inputs)
-        )
-        n_keep = self.conv_kernel_size - 1
-        if cache[0] is not None:
-            conv_state = cache[0]
-        else:
-            conv_state = mx.zeros((B, n_keep, self.conv_dim), dtype=inputs.dtype)
-        mixed_qkv = mx.concatenate(
-            [q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1
-        )
-        if mask is not None:
-            mixed_qkv = mx.where(mask[..., None], mixed_qkv, 0)
-        conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)  # [B, n_keep+S, C]
-        conv_states = [
-            mx.contiguous(conv_input[:, t + 1 : t + 1 + n_keep, :]) for t in range(S)
-        ]
-        conv_out = nn.silu(self.conv1d(conv_input))
-        q, k, v = [
-            t.reshape(B, S, h, d)
-            for t, h, d in zip(
-                mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
-                [self.num_k_heads, self.num_k_heads, self.num_v_heads],
-                [self.head_k_dim, self.head_k_dim, self.head_v_dim],
-            )
-        ]
-        q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+        conv_state = cache[0]
+        if conv_state is None:
+            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
+        out, conv_states, ssm_states = mix_tokens(self, inputs, conv_state, cache[1], mask)
+        record_checkpoints(cache, conv_states, ssm_states)
+        return out
 
-        state = cache[1]
-        ys, ssm_states = [], []
-        for t in range(S):
-            y, state = gated_delta_update(
-                q[:, t : t + 1],
-                k[:, t : t + 1],
-                v[:, t : t + 1],
-                a[:, t : t + 1],
-                b[:, t : t + 1],
-                self.A_log,
-                self.dt_bias,
-                state,
-                None if mask is None else mask[:, t : t + 1],
-                use_kernel=not self.training,
-            )
-            ys.append(y)
-            ssm_states.append(state)
-        out = ys[0] if S == 1 else mx.concatenate(ys, axis=1)  # [B, S, Hv, Dv]
 
-        cache[0] = conv_states[-1]
-        cache[1] = state
-        cache.advance(S)
+def mix_tokens(
+    layer: Qwen3NextGatedDeltaNet,
+    inputs: mx.array,
+    conv_state: mx.array,
+    state: mx.array | None,
+    mask: mx.array | None = None,
+) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+    """A gated-delta layer's forward over ``S`` tokens, keeping every state.
+
+    Mirrors ``Qwen3NextGatedDeltaNet.__call__`` (mlx-lm 0.32) but runs the
+    recurrence one token at a time, as one-token decoding does.
+
+    Args:
+        layer: The gated-delta layer (its weights and shapes).
+        inputs: Normed hiddens ``[B, S, dim]``.
+        conv_state: The last ``conv_kernel_size - 1`` conv inputs ``[B, n, C]``.
+        state: The recurrent state ``[B, Hv, Dv, Dk]``, or None for zeros.
+        mask: Optional ``[B, S]`` padding mask.
+
+    Returns:
+        ``(out, conv_states, ssm_states)``: the layer output ``[B, S, dim]``
+        and, for every token ``t``, the conv window and recurrent state after
+        it.
+    """
+    B, S, _ = inputs.shape
+    q, k, v, z, b, a = layer.fix_query_key_value_ordering(
+        layer.in_proj_qkvz(inputs), layer.in_proj_ba(inputs)
+    )
+    n_keep = layer.conv_kernel_size - 1
+    mixed_qkv = mx.concatenate(
+        [q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1
+    )
+    if mask is not None:
+        mixed_qkv = mx.where(mask[..., None], mixed_qkv, 0)
+    conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)  # [B, n_keep+S, C]
+    conv_states = [
+        mx.contiguous(conv_input[:, t + 1 : t + 1 + n_keep, :]) for t in range(S)
+    ]
+    conv_out = nn.silu(layer.conv1d(conv_input))
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
+            [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
+            [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
+
+    ys, ssm_states = [], []
+    for t in range(S):
+        y, state = gated_delta_update(
+            q[:, t : t + 1],
+            k[:, t : t + 1],
+            v[:, t : t + 1],
+            a[:, t : t + 1],
+            b[:, t : t + 1],
+            layer.A_log,
+            layer.dt_bias,
+            state,
+            None if mask is None else mask[:, t : t + 1],
+            use_kernel=not layer.training,
+        )
+        ys.append(y)
+        ssm_states.append(state)
+    out = ys[0] if S == 1 else mx.concatenate(ys, axis=1)  # [B, S, Hv, Dv]
+    out = layer.norm(out, z)
+    return layer.out_proj(out.reshape(B, S, -1)), conv_states, ssm_states
+
+
+def record_checkpoints(
+    cache: CheckpointArraysCache, conv_states: list[mx.array], ssm_states: list[mx.array]
+) -> None:
+    """Advance ``cache`` past the tokens of ``mix_tokens`` and, when it is
+    capturing, keep their per-token states as its checkpoints."""
+    cache[0] = conv_states[-1]
+    cache[1] = ssm_states[-1]
+    cache.advance(len(conv_states))
+    if cache.capture:
         cache.checkpoints = [[c, s] for c, s in zip(conv_states, ssm_states)]
         cache.capture = False
-
-        out = self.norm(out, z)
-        return self.out_proj(out.reshape(B, S, -1))
 
 
 def install_checkpointing(model: nn.Module) -> int:
@@ -150,4 +193,4 @@ def install_checkpointing(model: nn.Module) -> int:
 def make_main_cache(model: nn.Module) -> list:
     """Fresh caches for the main model: KV for attention, checkpointable arrays
     for gated-delta layers."""
-    return [CheckpointArraysCache(2) if layer.is_linear else KVCache() for layer in model.layers]
+    return [CheckpointArraysCache(2) if layer.is_linear else EngineKVCache() for layer in model.layers]

@@ -14,6 +14,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from mtp_engine.compiled import install_compiled_layers, wants_compiled_layers
 from mtp_engine.loader import LoadedCheckpoint
 from mtp_engine.mtp_head import build_models
 from mtp_engine.recurrent import install_checkpointing
@@ -68,7 +69,13 @@ def _randomize_quantized(module: nn.Module, bits: int, seed: int) -> None:
 
 
 def random_quantized_checkpoint(
-    config: dict, *, bits: int = 4, group_size: int = 64, dtype=None, seed: int = 0
+    config: dict,
+    *,
+    bits: int = 4,
+    group_size: int = 64,
+    dtype=None,
+    seed: int = 0,
+    compile_layers: bool | None = None,
 ) -> LoadedCheckpoint:
     """A loaded-checkpoint stand-in with random quantized weights.
 
@@ -76,6 +83,7 @@ def random_quantized_checkpoint(
     ``mlx_lm.convert -q`` (router gates at 8 bits), the MTP head quantized
     the same way; embeddings and norms stay in ``dtype`` (default bfloat16,
     float32 on MLX's CPU backend, where bfloat16 arithmetic is emulated).
+    ``compile_layers`` is as for `mtp_engine.loader.load_checkpoint`.
     """
     if dtype is None:
         dtype = mx.float32 if mx.default_device() == mx.cpu else mx.bfloat16
@@ -98,6 +106,8 @@ def random_quantized_checkpoint(
         mx.eval(layer.parameters())
     mx.eval(model.parameters(), head.parameters())
     install_checkpointing(model)
+    if wants_compiled_layers(compile_layers):
+        install_compiled_layers(model, head)
 
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from transformers import PreTrainedTokenizerFast

@@ -82,12 +82,16 @@ class StepTrace:
         accepted: Drafts accepted on the winning row.
         row: Index of the winning row.
         emitted: Tokens this step emitted (accepted drafts plus the bonus).
+        top_logits: For each emitted token, the verify forward's highest
+            ``(token, logit)`` pairs at its position, best first, to compare
+            with another decoding's logits.
     """
 
     drafts: list[list[int]]
     accepted: int
     row: int
     emitted: list[int]
+    top_logits: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass

@@ -72,6 +72,11 @@ def test_trace_records_every_verify_step(tiny_engine, mode):
         assert step.emitted[: step.accepted] == winner[: step.accepted]
         assert len(step.emitted) == step.accepted + 1
         assert all(len(d) == len(winner) for d in step.drafts)
+        # The verify logits behind each emitted token: it is their argmax.
+        assert len(step.top_logits) == len(step.emitted)
+        for token, top in zip(step.emitted, step.top_logits):
+            values = [v for _, v in top]
+            assert top[0][0] == token and values == sorted(values, reverse=True)
 
 
 def test_engine_reuse_leaks_no_state(tiny_engine):

@@ -10,7 +10,15 @@ import pytest
 
 from mtp_engine import MTPEngine, engine as engine_module
 from mtp_engine.cache_ops import commit_verified_prefix
-from mtp_engine.lossless import check, main, near_tie_bound
+from mtp_engine.lossless import (
+    NOISE_CAP,
+    Divergence,
+    Reference,
+    check,
+    main,
+    measure_noise,
+    near_tie_bound,
+)
 
 
 def test_cli_reports_every_mode_identical(tmp_path, tiny_path):
@@ -35,7 +43,32 @@ def test_a_commit_one_token_short_is_caught(tiny_path, monkeypatch):
     monkeypatch.setattr(engine_module, "commit_verified_prefix", short_commit)
     report = check(engine, [ids], ["chain-k3"], 32, log=lambda m: None)
     assert report.failures, "a wrong commit must show as a divergence off any near-tie"
-    assert report.failures[0].gap >= report.failures[0].bound
+    failure = report.failures[0]
+    assert failure.gap >= failure.bound
+    # The wrong state moved the logits long before it changed a token: far
+    # more than arithmetic noise, so the noise test does not excuse it.
+    assert failure.noise > NOISE_CAP * failure.bound and not failure.explained_by_noise
+
+
+def _divergence(gap, engine_gap, noise, bound=0.125):
+    return Divergence(0, "chain-k2", 8, 11, 22, gap, bound, engine_gap, noise)
+
+
+def test_measured_noise_explains_only_a_flip_within_it():
+    # Reference: token 22 leads 11 by 0.25; before position 2 the engine's
+    # logits for the shared tokens were up to 0.1875 away from the reference's.
+    ref = Reference(tokens=[5, 6, 22], gaps=[1.0, 1.0, 0.25], bounds=[0.125] * 3,
+                    tops=[[(5, 9.0)], [(6, 7.0), (22, 6.5)], [(22, 8.25), (11, 8.0)]])
+    tops = [None, [(6, 7.1875), (22, 6.5)], [(11, 8.125), (22, 8.0625)]]
+    engine_gap, noise = measure_noise(ref, tops, 2, 11)
+    assert noise == pytest.approx(0.1875) and engine_gap == pytest.approx(0.0625)
+    assert _divergence(0.25, engine_gap, noise).explained_by_noise  # 0.3125 <= 2 * 0.1875
+    assert not _divergence(0.25, 0.25, noise).explained_by_noise  # 0.5 > 0.375
+    # The reference's token missing from the engine's top logits: not a tie there.
+    assert measure_noise(ref, [None, tops[1], [(11, 8.125), (7, 8.0)]], 2, 11)[0] is None
+    assert not _divergence(0.25, None, noise).near_tie
+    # Noise past NOISE_CAP bounds is a broken state, not rounding.
+    assert not _divergence(0.25, 0.0625, 0.6).explained_by_noise
 
 
 @pytest.mark.parametrize("dtype, logit, bound", [(mx.float32, 12.0, 1e-4), (mx.bfloat16, 12.0, 4 * 2.0**-4),
