@@ -11,6 +11,8 @@
 #   bash benchmarks/h200.sh compile   # shipped model, compiled decoder layers against eager ones
 #   bash benchmarks/h200.sh 80b-compile # 80B-A3B shapes at 1K, compiled against eager
 #   bash benchmarks/h200.sh lossless8 # shipped model, bf16, 8 prompts x every mode, with measured noise
+#   bash benchmarks/h200.sh kernel    # CUDA recurrence kernel: its GPU tests, then the shipped model's chain modes
+#   bash benchmarks/h200.sh kernel-80b # 80B-A3B shapes at 1K and 8K with the CUDA recurrence kernel
 #
 # cuDNN's attention builds a graph for every new key length it sees; a verify
 # forward over K+1 queries gets a new key length every step, so the runs turn
@@ -50,6 +52,17 @@ case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
         --rounds 1 --modes baseline mlx_lm chain-k2 chain-k3 --contexts 1024 --batch-sizes --layers $l \
         --json "$out/80b-compile-$l.json" 2>&1 | tee "$out/80b-compile-$l.log"
     done ;;
+  kernel)
+    # needs pytest's wheels in .gpu-stage/b (pytest, pluggy, iniconfig, packaging)
+    timeout "${LIMIT:-70}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/test_cuda_recurrence.py \
+      2>&1 | tail -4 | tee "$out/kernel-tests-runtime-nt.log"
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-110}" $bench --limit 8 --max-tokens 64 --rounds 1 \
+      --modes baseline mlx_lm chain-k2 chain-k3 tree-k3 --batch-sizes \
+      --json "$out/kernel-shipped-runtime-nt.json" 2>&1 | tee "$out/kernel-shipped-runtime-nt.log" ;;
+  kernel-80b)  # run on 2026-11-30 with an earlier kernel that compiled once per token count
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-540}" $bench --synthetic 80b --limit 1 --max-tokens 32 --rounds 1 \
+      --modes baseline mlx_lm chain-k2 chain-k3 tree-k3 --contexts 1024 8192 --batch-sizes --time-budget 330 \
+      --json "$out/kernel-80b.json" 2>&1 | tee "$out/kernel-80b.log" ;;
   lossless8)
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-400}" python3 -u -m mtp_engine.lossless --limit 8 --max-tokens 64 \
       --json "$out/lossless-bf16-noise.json" 2>&1 | tee "$out/lossless-bf16-noise.log" ;;

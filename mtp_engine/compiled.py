@@ -71,7 +71,7 @@ class CompiledDecoderLayer(Qwen3NextDecoderLayer):
         if width <= MAX_COMPILED_WIDTH:
             if self.is_linear and _compiled_linear_ok(cache, mask, width):
                 res = self._linear_fn(x, cache[0], cache[1])
-                record_checkpoints(cache, res[1 : 1 + width], res[1 + width :])
+                record_checkpoints(cache, width, res[1 : 1 + width], res[1 + width :])
                 return res[0]
             if not self.is_linear and isinstance(cache, EngineKVCache):
                 h = x + self.self_attn(self.input_layernorm(x), mask, cache)

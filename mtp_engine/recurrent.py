@@ -9,10 +9,12 @@ Nothing here patches mlx-lm. `install_checkpointing` swaps each loaded
 ``Qwen3NextGatedDeltaNet`` instance of one model for a
 `CheckpointingGatedDeltaNet` that shares its weights; the swapped layer
 behaves exactly like the original unless its cache is a
-`CheckpointArraysCache` with ``capture`` set. The per-token states come from
-calling mlx-lm's own ``gated_delta_update`` once per token, so they are
-computed by the same arithmetic (the same kernel on Metal, the same ops on CPU
-and CUDA) as one-token decoding and stay bit-identical to it.
+`CheckpointArraysCache` with ``capture`` set (or, on CUDA, any
+`CheckpointArraysCache`). The per-token states come from calling mlx-lm's own
+``gated_delta_update`` once per token (the same kernel on Metal, the same ops
+on the CPU), or on CUDA from `mtp_engine.cuda_recurrence`, which the engine
+also uses for one-token decoding there; either way each token's recurrence
+runs the same arithmetic as in one-token decoding.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
+
+from mtp_engine import cuda_recurrence
 
 
 class CheckpointArraysCache(ArraysCache):
@@ -71,19 +75,24 @@ class CheckpointingGatedDeltaNet(Qwen3NextGatedDeltaNet):
         return share_weights(cls, layer)
 
     def __call__(self, inputs: mx.array, mask=None, cache=None) -> mx.array:
-        if not (isinstance(cache, CheckpointArraysCache) and cache.capture):
-            return super().__call__(inputs, mask=mask, cache=cache)
-        return self._call_capturing(inputs, mask, cache)
+        # The engine's caches take the engine's path when they capture, and
+        # always where the CUDA kernel runs the recurrence (so one-token
+        # decoding and verify forwards share its arithmetic).
+        if isinstance(cache, CheckpointArraysCache) and (
+            cache.capture or (mask is None and cuda_recurrence.serves(self))
+        ):
+            return self._call_engine(inputs, mask, cache)
+        return super().__call__(inputs, mask=mask, cache=cache)
 
-    def _call_capturing(
-        self, inputs: mx.array, mask, cache: CheckpointArraysCache
-    ) -> mx.array:
+    def _call_engine(self, inputs: mx.array, mask, cache: CheckpointArraysCache) -> mx.array:
         B, S, _ = inputs.shape
         conv_state = cache[0]
         if conv_state is None:
             conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype)
-        out, conv_states, ssm_states = mix_tokens(self, inputs, conv_state, cache[1], mask)
-        record_checkpoints(cache, conv_states, ssm_states)
+        out, conv_states, ssm_states = mix_tokens(
+            self, inputs, conv_state, cache[1], mask, keep_states=cache.capture
+        )
+        record_checkpoints(cache, S, conv_states, ssm_states)
         return out
 
 
@@ -93,11 +102,15 @@ def mix_tokens(
     conv_state: mx.array,
     state: mx.array | None,
     mask: mx.array | None = None,
+    keep_states: bool = True,
 ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
     """A gated-delta layer's forward over ``S`` tokens, keeping every state.
 
     Mirrors ``Qwen3NextGatedDeltaNet.__call__`` (mlx-lm 0.32) but runs the
-    recurrence one token at a time, as one-token decoding does.
+    recurrence one token at a time, as one-token decoding does: through
+    mlx-lm's ``gated_delta_update`` per token, or on CUDA through
+    `mtp_engine.cuda_recurrence` (all tokens in one launch, the same
+    arithmetic per token).
 
     Args:
         layer: The gated-delta layer (its weights and shapes).
@@ -106,10 +119,13 @@ def mix_tokens(
         state: The recurrent state ``[B, Hv, Dv, Dk]``, or None for zeros.
         mask: Optional ``[B, S]`` padding mask.
 
+        keep_states: Return the states after every token; False returns
+            the last ones only (prefill, plain decoding).
+
     Returns:
         ``(out, conv_states, ssm_states)``: the layer output ``[B, S, dim]``
-        and, for every token ``t``, the conv window and recurrent state after
-        it.
+        and, for every token ``t`` (the last only, unless ``keep_states``),
+        the conv window and recurrent state after it.
     """
     B, S, _ = inputs.shape
     q, k, v, z, b, a = layer.fix_query_key_value_ordering(
@@ -122,9 +138,8 @@ def mix_tokens(
     if mask is not None:
         mixed_qkv = mx.where(mask[..., None], mixed_qkv, 0)
     conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)  # [B, n_keep+S, C]
-    conv_states = [
-        mx.contiguous(conv_input[:, t + 1 : t + 1 + n_keep, :]) for t in range(S)
-    ]
+    kept = range(S) if keep_states else [S - 1]
+    conv_states = [mx.contiguous(conv_input[:, t + 1 : t + 1 + n_keep, :]) for t in kept]
     conv_out = nn.silu(layer.conv1d(conv_input))
     q, k, v = [
         t.reshape(B, S, h, d)
@@ -135,6 +150,16 @@ def mix_tokens(
         )
     ]
     q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
+
+    if mask is None and cuda_recurrence.serves(layer):
+        if state is None:
+            state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), dtype=mx.float32)
+        out, states = cuda_recurrence.gated_delta_tokens(
+            q, k, v, a, b, layer.A_log, layer.dt_bias, state, keep_states
+        )
+        out = layer.norm(out, z)
+        ssm_states = [states[i] for i in range(states.shape[0])]
+        return layer.out_proj(out.reshape(B, S, -1)), conv_states, ssm_states
 
     ys, ssm_states = [], []
     for t in range(S):
@@ -151,20 +176,21 @@ def mix_tokens(
             use_kernel=not layer.training,
         )
         ys.append(y)
-        ssm_states.append(state)
+        if keep_states or t == S - 1:
+            ssm_states.append(state)
     out = ys[0] if S == 1 else mx.concatenate(ys, axis=1)  # [B, S, Hv, Dv]
     out = layer.norm(out, z)
     return layer.out_proj(out.reshape(B, S, -1)), conv_states, ssm_states
 
 
 def record_checkpoints(
-    cache: CheckpointArraysCache, conv_states: list[mx.array], ssm_states: list[mx.array]
+    cache: CheckpointArraysCache, tokens: int, conv_states: list[mx.array], ssm_states: list[mx.array]
 ) -> None:
-    """Advance ``cache`` past the tokens of ``mix_tokens`` and, when it is
-    capturing, keep their per-token states as its checkpoints."""
+    """Advance ``cache`` past the ``tokens`` of ``mix_tokens`` and, when it
+    is capturing, keep their per-token states as its checkpoints."""
     cache[0] = conv_states[-1]
     cache[1] = ssm_states[-1]
-    cache.advance(len(conv_states))
+    cache.advance(tokens)
     if cache.capture:
         cache.checkpoints = [[c, s] for c, s in zip(conv_states, ssm_states)]
         cache.capture = False
