@@ -1,6 +1,7 @@
 """The CUDA gated-delta kernel: the same recurrence as mlx-lm's ops, and the
-same arithmetic per token whether tokens come alone or together. Needs a
-CUDA device (MLX's CUDA build); skipped elsewhere."""
+same arithmetic per token whether tokens come alone or together (these need
+a CUDA device with MLX's CUDA build and are skipped elsewhere); and the
+engine's use of it, which runs on every backend."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from mlx_lm.models.gated_delta import gated_delta_update
 
 from mtp_engine import cuda_recurrence
 
-pytestmark = pytest.mark.skipif(
+needs_cuda = pytest.mark.skipif(
     not (mx.default_device() == mx.gpu and mx.cuda.is_available()), reason="needs MLX on a CUDA GPU"
 )
 
@@ -29,6 +30,7 @@ def _inputs(B, T, Hk, Hv, Dk, Dv, dtype, seed=0):
     return q, k, v, a, b, A_log, dt_bias, state
 
 
+@needs_cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("B, T", [(1, 1), (1, 4), (3, 5), (2, 64)])
 def test_matches_mlx_lm_recurrence(dtype, B, T):
@@ -41,6 +43,7 @@ def test_matches_mlx_lm_recurrence(dtype, B, T):
     assert mx.allclose(states[0], s_ref, atol=1e-5, rtol=1e-4)
 
 
+@needs_cuda
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_every_token_equals_one_token_launches(dtype):
     B, T = 2, 5
@@ -56,3 +59,51 @@ def test_every_token_equals_one_token_launches(dtype):
         assert mx.array_equal(y[:, sl], y1), f"output of token {t}"
         assert mx.array_equal(states[t], s1[0]), f"state after token {t}"
         s = s1[0]
+
+
+# -- the engine's routing through the kernel, on any backend ----------------
+#
+# The kernel itself needs CUDA; the engine code around it (which forwards go
+# through it, per-token versus last-only states, commits from its states)
+# runs here with a stand-in of the same interface that computes the
+# recurrence with mlx-lm's ops, token by token. With it, every mode must
+# still give mlx-lm's greedy output exactly.
+
+
+def _ops_stand_in(calls):
+    def gated_delta_tokens(q, k, v, a, b, A_log, dt_bias, state, keep_states):
+        calls.append((q.shape[1], keep_states))
+        ys, states = [], []
+        for t in range(q.shape[1]):
+            sl = slice(t, t + 1)
+            y, state = gated_delta_update(q[:, sl], k[:, sl], v[:, sl], a[:, sl], b[:, sl], A_log, dt_bias, state)
+            ys.append(y)
+            states.append(state)
+        return mx.concatenate(ys, axis=1), mx.stack(states) if keep_states else state[None]
+
+    return gated_delta_tokens
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="the stand-in stands in for the kernel off CUDA")
+def test_engine_forwards_take_the_kernel_path_and_stay_lossless(tiny_path, reference_factory, monkeypatch):
+    from mtp_engine import MTPEngine
+    from tests.conftest import PROMPTS
+
+    calls: list[tuple[int, bool]] = []
+    monkeypatch.setattr(cuda_recurrence, "serves", lambda layer: not layer.training)
+    monkeypatch.setattr(cuda_recurrence, "gated_delta_tokens", _ops_stand_in(calls))
+    engine = MTPEngine.load(tiny_path, compile_layers=False)
+    reference = reference_factory(tiny_path)
+    for prompt in PROMPTS[:3]:
+        ids = engine.encode(prompt)
+        want, _ = reference.greedy(ids, 32)
+        for mode, kwargs in [("baseline", {}), ("chain", {"draft_tokens": 3}), ("tree", {"draft_tokens": 3}),
+                             ("paths", {"draft_tokens": 3, "paths": 2})]:
+            got = engine.generate(ids, max_tokens=32, mode=mode, **kwargs).tokens
+            # The engine stops at EOS, which it leaves out; mlx-lm goes on.
+            assert got == want[: len(got)], (prompt, mode)
+            assert len(got) == 32 or want[len(got)] in engine.eos_token_ids, (prompt, mode)
+    widths = {(t, keep) for t, keep in calls}
+    assert (1, False) in widths  # one-token decoding
+    assert any(keep and t == 4 for t, keep in widths)  # verify forwards of K+1 tokens
+    assert any(not keep and t > 4 for t, keep in widths)  # prompt prefill
