@@ -22,7 +22,12 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
-from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+from mlx_lm.models.gated_delta import (  # the step is private: mlx-lm is pinned to 0.32.x
+    _gated_delta_step_ops,
+    compute_g,
+    gated_delta_update,
+    normalize_qk,
+)
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 
 from mtp_engine import cuda_recurrence
@@ -161,6 +166,9 @@ def mix_tokens(
         ssm_states = [states[i] for i in range(states.shape[0])]
         return layer.out_proj(out.reshape(B, S, -1)), conv_states, ssm_states
 
+    if mask is None and mx.default_device() == mx.cpu:
+        return _mix_on_cpu(layer, q, k, v, z, a, b, state, keep_states, conv_states)
+
     ys, ssm_states = [], []
     for t in range(S):
         y, state = gated_delta_update(
@@ -180,6 +188,30 @@ def mix_tokens(
             ssm_states.append(state)
     out = ys[0] if S == 1 else mx.concatenate(ys, axis=1)  # [B, S, Hv, Dv]
     out = layer.norm(out, z)
+    return layer.out_proj(out.reshape(B, S, -1)), conv_states, ssm_states
+
+
+def _mix_on_cpu(layer, q, k, v, z, a, b, state, keep_states, conv_states):
+    """The per-token recurrence as mlx-lm's ops path runs it on the CPU
+    (``gated_delta_ops``: gates, betas and grouped heads for all tokens at
+    once, then its compiled step per token), without the per-call set-up
+    that calling ``gated_delta_update`` once per token repeats: about 14
+    fewer operations per token and layer, the same arithmetic."""
+    B, S = q.shape[:2]
+    Hv, Dv = v.shape[-2:]
+    beta = mx.sigmoid(b)
+    g = compute_g(layer.A_log, a, layer.dt_bias)
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, q.shape[-1]), dtype=mx.float32)
+    if (repeat := Hv // q.shape[-2]) > 1:
+        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
+    ys, ssm_states = [], []
+    for t in range(S):
+        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        ys.append(y)
+        if keep_states or t == S - 1:
+            ssm_states.append(state)
+    out = layer.norm(mx.stack(ys, axis=1), z)
     return layer.out_proj(out.reshape(B, S, -1)), conv_states, ssm_states
 
 
