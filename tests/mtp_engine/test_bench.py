@@ -27,3 +27,16 @@ def test_bench_report(tmp_path, tiny_path):
     assert by_mode["chain-k3"]["acceptance_length"] >= 1.0
     assert set(report["cost_model"]["forward_ratio"]) >= {"1", "2", "4"}
     assert {b["mode"] for b in report["dataset_throughput"]} >= {"batch-b1", "batch-b2"}
+    assert report["compiled_layers"] is True  # the CPU default
+
+
+def test_bench_eager_layers_give_the_same_tokens(tmp_path, tiny_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}))
+    out = tmp_path / "bench.json"
+    code = main(["--model", str(tiny_path), "--prompts", str(prompts), "--limit", "1", "--max-tokens", "8",
+                 "--rounds", "1", "--batch-sizes", "--layers", "eager", "--json", str(out),
+                 "--modes", "baseline", "mlx_lm", "chain-k2"])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["compiled_layers"] is False
+    assert all(r["identical"] for r in report["results"])
