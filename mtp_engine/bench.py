@@ -27,8 +27,8 @@ import orjson
 from mlx_lm.generate import generate_step
 
 from mtp_engine.backend import cpu_blas, prefer_mlx_attention
-from mtp_engine.engine import MTPEngine
 from mtp_engine.compiled import CompiledDecoderLayer
+from mtp_engine.engine import MTPEngine
 from mtp_engine.recurrent import CheckpointArraysCache, make_main_cache
 
 DEFAULT_MODEL = "models/qwen3-next-tiny-stdlib"

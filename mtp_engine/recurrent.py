@@ -109,13 +109,11 @@ def mix_tokens(
     mask: mx.array | None = None,
     keep_states: bool = True,
 ) -> tuple[mx.array, list[mx.array], list[mx.array]]:
-    """A gated-delta layer's forward over ``S`` tokens, keeping every state.
+    """A gated-delta layer's forward over ``S`` tokens, with its states.
 
     Mirrors ``Qwen3NextGatedDeltaNet.__call__`` (mlx-lm 0.32) but runs the
-    recurrence one token at a time, as one-token decoding does: through
-    mlx-lm's ``gated_delta_update`` per token, or on CUDA through
-    `mtp_engine.cuda_recurrence` (all tokens in one launch, the same
-    arithmetic per token).
+    recurrence one token at a time, as one-token decoding does (see
+    `_recurrence`).
 
     Args:
         layer: The gated-delta layer (its weights and shapes).
@@ -123,7 +121,6 @@ def mix_tokens(
         conv_state: The last ``conv_kernel_size - 1`` conv inputs ``[B, n, C]``.
         state: The recurrent state ``[B, Hv, Dv, Dk]``, or None for zeros.
         mask: Optional ``[B, S]`` padding mask.
-
         keep_states: Return the states after every token; False returns
             the last ones only (prefill, plain decoding).
 
@@ -155,21 +152,46 @@ def mix_tokens(
         )
     ]
     q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
+    if state is None:  # as gated_delta_update starts
+        state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), dtype=mx.float32)
+    out, ssm_states = _recurrence(layer, q, k, v, a, b, state, mask, keep_states)
+    out = layer.norm(out, z)
+    return layer.out_proj(out.reshape(B, S, -1)), conv_states, ssm_states
 
+
+def _recurrence(layer, q, k, v, a, b, state, mask, keep_states) -> tuple[mx.array, list[mx.array]]:
+    """Outputs ``[B, S, Hv, Dv]`` and states (after every token, or the last
+    only) of the gated-delta recurrence, each token with the arithmetic of
+    one-token decoding on this backend:
+
+    - CUDA: `mtp_engine.cuda_recurrence`, all tokens in one launch (the
+      engine decodes single tokens through it too);
+    - CPU: mlx-lm's ops path as ``gated_delta_ops`` runs it (gates, betas
+      and grouped heads for all tokens at once, then its compiled step per
+      token), without the set-up that calling ``gated_delta_update`` per
+      token repeats: about 14 fewer operations per token and layer;
+    - otherwise (Metal, or a padding mask): ``gated_delta_update`` per token.
+    """
+    S = q.shape[1]
     if mask is None and cuda_recurrence.serves(layer):
-        if state is None:
-            state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), dtype=mx.float32)
         out, states = cuda_recurrence.gated_delta_tokens(
             q, k, v, a, b, layer.A_log, layer.dt_bias, state, keep_states
         )
-        out = layer.norm(out, z)
-        ssm_states = [states[i] for i in range(states.shape[0])]
-        return layer.out_proj(out.reshape(B, S, -1)), conv_states, ssm_states
-
-    if mask is None and mx.default_device() == mx.cpu:
-        return _mix_on_cpu(layer, q, k, v, z, a, b, state, keep_states, conv_states)
+        return out, [states[i] for i in range(states.shape[0])]
 
     ys, ssm_states = [], []
+    if mask is None and mx.default_device() == mx.cpu:
+        beta = mx.sigmoid(b)
+        g = compute_g(layer.A_log, a, layer.dt_bias)
+        if (repeat := v.shape[-2] // q.shape[-2]) > 1:
+            q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
+        for t in range(S):
+            y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+            ys.append(y)
+            if keep_states or t == S - 1:
+                ssm_states.append(state)
+        return mx.stack(ys, axis=1), ssm_states
+
     for t in range(S):
         y, state = gated_delta_update(
             q[:, t : t + 1],
@@ -186,33 +208,7 @@ def mix_tokens(
         ys.append(y)
         if keep_states or t == S - 1:
             ssm_states.append(state)
-    out = ys[0] if S == 1 else mx.concatenate(ys, axis=1)  # [B, S, Hv, Dv]
-    out = layer.norm(out, z)
-    return layer.out_proj(out.reshape(B, S, -1)), conv_states, ssm_states
-
-
-def _mix_on_cpu(layer, q, k, v, z, a, b, state, keep_states, conv_states):
-    """The per-token recurrence as mlx-lm's ops path runs it on the CPU
-    (``gated_delta_ops``: gates, betas and grouped heads for all tokens at
-    once, then its compiled step per token), without the per-call set-up
-    that calling ``gated_delta_update`` once per token repeats: about 14
-    fewer operations per token and layer, the same arithmetic."""
-    B, S = q.shape[:2]
-    Hv, Dv = v.shape[-2:]
-    beta = mx.sigmoid(b)
-    g = compute_g(layer.A_log, a, layer.dt_bias)
-    if state is None:
-        state = mx.zeros((B, Hv, Dv, q.shape[-1]), dtype=mx.float32)
-    if (repeat := Hv // q.shape[-2]) > 1:
-        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
-    ys, ssm_states = [], []
-    for t in range(S):
-        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
-        ys.append(y)
-        if keep_states or t == S - 1:
-            ssm_states.append(state)
-    out = layer.norm(mx.stack(ys, axis=1), z)
-    return layer.out_proj(out.reshape(B, S, -1)), conv_states, ssm_states
+    return (ys[0] if S == 1 else mx.concatenate(ys, axis=1)), ssm_states
 
 
 def record_checkpoints(
