@@ -30,6 +30,8 @@ install them on the CPU backend only (`wants_compiled_layers`).
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
@@ -47,24 +49,26 @@ MAX_COMPILED_WIDTH = 16
 """Widest forward (tokens per row) that takes the compiled path."""
 
 
+def _moe_residual(layer: nn.Module, h: mx.array) -> mx.array:
+    """The second half of a decoder layer (trunk or MTP head)."""
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
 class CompiledDecoderLayer(Qwen3NextDecoderLayer):
     """A trunk decoder layer with compiled decode and verify paths."""
 
     @classmethod
     def from_layer(cls, layer: Qwen3NextDecoderLayer) -> "CompiledDecoderLayer":
         new = share_weights(cls, layer)
-        new._mlp_fn = mx.compile(new._mlp_residual)
+        new._mlp_fn = mx.compile(partial(_moe_residual, new))
         new._linear_fn = mx.compile(new._linear_layer) if new.is_linear else None
         return new
-
-    def _mlp_residual(self, h: mx.array) -> mx.array:
-        return h + self.mlp(self.post_attention_layernorm(h))
 
     def _linear_layer(self, x: mx.array, conv_state: mx.array, state: mx.array) -> list[mx.array]:
         out, conv_states, ssm_states = mix_tokens(
             self.linear_attn, self.input_layernorm(x), conv_state, state
         )
-        return [self._mlp_residual(x + out), *conv_states, *ssm_states]
+        return [_moe_residual(self, x + out), *conv_states, *ssm_states]
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         width = x.shape[1]
@@ -95,11 +99,8 @@ class CompiledMTPLayer(MTPDecoderLayer):
     @classmethod
     def from_layer(cls, layer: MTPDecoderLayer) -> "CompiledMTPLayer":
         new = share_weights(cls, layer)
-        new._mlp_fn = mx.compile(new._mlp_residual)
+        new._mlp_fn = mx.compile(partial(_moe_residual, new))
         return new
-
-    def _mlp_residual(self, h: mx.array) -> mx.array:
-        return h + self.mlp(self.post_attention_layernorm(h))
 
     def __call__(self, x: mx.array, mask, cache) -> mx.array:
         if x.shape[1] > MAX_COMPILED_WIDTH:
