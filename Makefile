@@ -20,9 +20,9 @@ PYTEST_ARGS ?=
 # Linux CPU: MLX's wheel links the reference (netlib) BLAS. native/cblas_openblas.c
 # routes MLX's sgemm to OpenBLAS (the scipy-openblas32 wheel) when LD_PRELOADed;
 # `make install` builds it when a C compiler is present, `make generate` and
-# `make bench` use it when it exists. `make test` runs on MLX's own BLAS (its
-# bit-exact checkpoint tests assume one-row and many-row matmuls round alike),
-# plus a lossless check under the shim.
+# `make bench` use it when it exists. `make test` runs on MLX's own BLAS, and
+# tests/mtp_engine/test_cpu_blas.py re-runs the bit-exact checkpoint tests and a
+# lossless check under the shim.
 CBLAS_SHIM := $(VENV)/lib/libmtp_cblas.so
 ifeq ($(shell uname -s)-$(MLX_BACKEND),Linux-cpu)
 SHIM_TARGET := $(CBLAS_SHIM)

@@ -14,6 +14,7 @@ path, so they are unaffected either way. Elsewhere this is a no-op.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from pathlib import Path
@@ -43,3 +44,15 @@ def cpu_blas() -> str:
     if CBLAS_SHIM.name in maps and "libscipy_openblas" in maps:
         return OPENBLAS
     return BUNDLED
+
+
+def gemv_rows() -> int | None:
+    """Matmuls of at most this many rows run row by row (sgemv) under the
+    preloaded OpenBLAS library (``MTP_GEMV_ROWS``, default 32); None when it
+    is not loaded."""
+    if cpu_blas() != OPENBLAS:
+        return None
+    try:
+        return int(ctypes.CDLL(None).mtp_cblas_gemv_rows())
+    except (AttributeError, OSError):
+        return None

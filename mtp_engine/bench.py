@@ -26,7 +26,7 @@ import mlx.core as mx
 import orjson
 from mlx_lm.generate import generate_step
 
-from mtp_engine.backend import cpu_blas, prefer_mlx_attention
+from mtp_engine.backend import cpu_blas, gemv_rows, prefer_mlx_attention
 from mtp_engine.compiled import CompiledDecoderLayer
 from mtp_engine.engine import MTPEngine
 from mtp_engine.recurrent import CheckpointArraysCache, make_main_cache
@@ -99,6 +99,8 @@ def machine_info() -> dict:
     }
     if mx.default_device() == mx.cpu:
         info["blas"] = cpu_blas()
+        if (rows := gemv_rows()) is not None:
+            info["blas_gemv_rows"] = rows
     try:
         import mlx_lm
 

@@ -12,8 +12,13 @@ Forks (trees, paths) restart the head's cache from the fork point by
 trimming it back to that offset: its KV entries before the fork are never
 written again, so no branch sees another branch's tokens.
 
-One host sync per draft step (``int(argmax)``) keeps each step's graph small;
-a single lazy graph over all steps measured slower in the reference design.
+Chain drafts stay on the device: each step's greedy token feeds the next
+step as an array and its evaluation starts at once (``mx.async_eval``), so
+the host builds the next step, and the verify forward, while the device
+computes, and the drafted tokens reach the host with the verify forward's
+targets in one sync. On the 2-core CPU this made chain K=2 decoding about
+7% faster than one host sync per draft step. Modes that branch on a draft
+step's result (adaptive, trees, paths) still read each step back.
 """
 
 from __future__ import annotations
@@ -135,11 +140,18 @@ class MTPDrafter:
 
     # -- strategies ----------------------------------------------------------
 
-    def draft(self, state: MTPDraftState, k: int) -> list[int]:
-        """K greedy draft tokens (a chain)."""
+    def draft(self, state: MTPDraftState, k: int) -> mx.array:
+        """K greedy draft tokens (a chain), ``[1, k]`` int32, not read back:
+        the verify forward takes them as they are."""
         logits, m = self.first_step(state)
-        d = int(mx.argmax(logits))
-        return [d] + self._continue(state, m, d, k - 1)
+        tokens = []
+        for j in range(k):
+            if j:
+                logits, m = self._forward(state, m, tokens[-1])
+            d = mx.argmax(logits).astype(mx.int32).reshape(1, 1)
+            mx.async_eval(d)
+            tokens.append(d)
+        return mx.concatenate(tokens, axis=1)
 
     def draft_adaptive(self, state: MTPDraftState, depth_max: int, tau: float) -> list[int]:
         """Greedy chain that stops once the running product of top-1

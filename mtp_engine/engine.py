@@ -49,6 +49,7 @@ class VerifyOutcome:
         emitted: ``d_1..d_n`` and the bonus token.
         hidden: Trunk hiddens at positions ``0..n`` of that row, ``[1, n+1, dim]``.
         logits: That row's logits at positions ``0..n``, ``[n+1, vocab]`` (lazy).
+        paths: The drafted paths that were verified, as token lists.
     """
 
     row: int
@@ -56,6 +57,7 @@ class VerifyOutcome:
     emitted: list[int]
     hidden: mx.array
     logits: mx.array
+    paths: list[list[int]]
 
 
 def top_logits(logits: mx.array, k: int = 4) -> list[list[tuple[int, float]]]:
@@ -313,6 +315,7 @@ class MTPEngine:
             drafted = spec.propose(drafter, state, depth) if depth >= 1 else [[]]
             t1 = time.perf_counter()
             out = self._verify(caches, x, drafted)
+            drafted = out.paths
             stats.draft_s += t1 - t0
             stats.verify_s += time.perf_counter() - t1
             stats.steps += 1
@@ -329,10 +332,14 @@ class MTPEngine:
             drafter.commit(state, out.hidden, out.emitted)
             x = out.emitted[-1]
 
-    def _verify(self, caches: list, x: int, paths: list[list[int]]) -> VerifyOutcome:
+    def _verify(self, caches: list, x: int, paths: list[list[int]] | mx.array) -> VerifyOutcome:
         """One trunk forward over ``[x, path]`` for every path; commit the
-        winning row's accepted prefix."""
-        n_paths, width = len(paths), len(paths[0]) + 1
+        winning row's accepted prefix.
+
+        ``paths`` are equal-length token lists, or the drafts as a lazy
+        ``[P, K]`` int32 array (read back here, with the targets)."""
+        drafts = paths if isinstance(paths, mx.array) else mx.array(paths, dtype=mx.int32)
+        n_paths, width = drafts.shape[0], drafts.shape[1] + 1
         snaps = None if self.use_checkpoints else snapshot(caches)
         if n_paths > 1:
             tile_caches(caches, n_paths)
@@ -340,10 +347,13 @@ class MTPEngine:
             for c in caches:
                 if isinstance(c, CheckpointArraysCache):
                     c.begin_capture()
-        inputs = mx.array([[x] + p for p in paths])  # [P, K+1]
+        inputs = mx.concatenate([mx.full((n_paths, 1), x, dtype=mx.int32), drafts], axis=1)  # [P, K+1]
         hidden = self.model.model(inputs, cache=caches)  # [P, K+1, dim]
         logits = self.lm_head(hidden)
-        targets = greedy_tokens(logits).tolist()  # [P][K+1]
+        # Drafts and targets in one read: [P][K] and [P][K+1].
+        rows = mx.concatenate([drafts, greedy_tokens(logits).astype(mx.int32)], axis=1).tolist()
+        paths = [r[: width - 1] for r in rows]
+        targets = [r[width - 1 :] for r in rows]
 
         best_row, best_n = 0, -1
         for r, (path, g) in enumerate(zip(paths, targets)):
@@ -362,5 +372,10 @@ class MTPEngine:
             commit_by_replay(self.model.model, caches, snaps, mx.array([[x] + path[:best_n]]))
             mx.eval([c.state for c in caches])
         return VerifyOutcome(
-            best_row, best_n, emitted, hidden[best_row : best_row + 1, :keep], logits[best_row, :keep]
+            best_row,
+            best_n,
+            emitted,
+            hidden[best_row : best_row + 1, :keep],
+            logits[best_row, :keep],
+            paths,
         )

@@ -1,13 +1,16 @@
 """Decoding modes and their parameters.
 
 Each speculative mode is a small drafting strategy with one interface:
-``propose(drafter, state, depth) -> list of paths`` (equal-length token lists;
-one path is a chain, several are verified together as a batch).
+``propose(drafter, state, depth) -> paths``: equal-length token lists (one
+path is a chain, several are verified together as a batch), or for chain
+mode a lazy ``[1, K]`` array the verify forward reads back with its targets.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import mlx.core as mx
 
 from mtp_engine.drafter import MTPDrafter, MTPDraftState
 
@@ -66,11 +69,13 @@ class DecodeConfig:
         tau = self.tau if self.mode in ("adaptive", "adaptive_tree") else None
         return {"draft_tokens": self.draft_tokens, "paths": self.max_paths, "tau": tau}
 
-    def propose(self, drafter: MTPDrafter, state: MTPDraftState, depth: int) -> list[list[int]]:
+    def propose(
+        self, drafter: MTPDrafter, state: MTPDraftState, depth: int
+    ) -> list[list[int]] | mx.array:
         """Draft for one verify step, at most ``depth`` tokens deep (>= 1)."""
         k = min(self.draft_tokens, depth)
         if self.mode == "chain":
-            return [drafter.draft(state, k)]
+            return drafter.draft(state, k)
         if self.mode == "adaptive":
             return [drafter.draft_adaptive(state, k, self.tau)]
         if self.mode == "tree":

@@ -27,20 +27,50 @@ def run_preloaded(args: list[str]) -> subprocess.CompletedProcess:
 
 
 def test_preloaded_shim_serves_mlx_matmuls_correctly():
+    # Row counts on both sides of the row-by-row limit (32), every transposition.
     script = (
         "import mlx.core as mx, numpy as np\n"
-        "from mtp_engine.backend import cpu_blas\n"
-        "a = np.random.default_rng(0).standard_normal((5, 300)).astype(np.float32)\n"
-        "b = np.random.default_rng(1).standard_normal((300, 70)).astype(np.float32)\n"
-        "got = np.array(mx.array(a) @ mx.array(b))\n"
-        "want = a.astype(np.float64) @ b.astype(np.float64)\n"
-        "print(cpu_blas()); print(float(np.abs(got - want).max()))\n"
+        "from mtp_engine.backend import cpu_blas, gemv_rows\n"
+        "rng = np.random.default_rng(0)\n"
+        "err = 0.0\n"
+        "for m in (1, 5, 32, 40):\n"
+        "    a = rng.standard_normal((m, 300)).astype(np.float32)\n"
+        "    b = rng.standard_normal((300, 70)).astype(np.float32)\n"
+        "    want = a.astype(np.float64) @ b.astype(np.float64)\n"
+        "    A, B = mx.array(a), mx.array(b)\n"
+        "    for got in (A @ B, A @ mx.array(b.T).T, mx.array(a.T).T @ B, mx.array(a.T).T @ mx.array(b.T).T):\n"
+        "        err = max(err, float(np.abs(np.array(got) - want).max()))\n"
+        "print(cpu_blas()); print(gemv_rows()); print(err)\n"
     )
     proc = run_preloaded(["-c", script])
     assert proc.returncode == 0, proc.stderr
-    blas, err = proc.stdout.split("\n")[:2]
+    blas, rows, err = proc.stdout.split("\n")[:3]
     assert blas == OPENBLAS
+    assert rows == "32"
     assert float(err) < 1e-3
+
+
+def test_rows_of_a_preloaded_matmul_round_as_one_row_matmuls():
+    script = (
+        "import mlx.core as mx\n"
+        "x = mx.random.normal((5, 256), key=mx.random.key(0))\n"
+        "w = mx.random.normal((768, 256), key=mx.random.key(1))\n"
+        "many = x @ w.T\n"
+        "print(all(mx.array_equal(many[i : i + 1], x[i : i + 1] @ w.T).item() for i in range(5)))\n"
+    )
+    proc = run_preloaded(["-c", script])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "True"
+
+
+def test_checkpoints_equal_token_by_token_decoding_bit_for_bit_under_openblas():
+    # The bit-exact tests of per-token checkpoints and cache commits, re-run
+    # with MLX's matmuls on OpenBLAS: a verify forward's rows round as
+    # one-token forwards do there too.
+    proc = run_preloaded(["-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/mtp_engine/test_recurrent.py", "tests/mtp_engine/test_cache_ops.py"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
 
 
 def test_every_mode_is_lossless_under_openblas(tmp_path, tiny_path):
