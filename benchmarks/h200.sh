@@ -13,6 +13,12 @@
 #   bash benchmarks/h200.sh lossless8 # shipped model, bf16, 8 prompts x every mode, with measured noise
 #   bash benchmarks/h200.sh kernel    # CUDA recurrence kernel: its GPU tests, then the shipped model's chain modes
 #   bash benchmarks/h200.sh kernel-80b # 80B-A3B shapes at 1K and 8K with the CUDA recurrence kernel
+#   bash benchmarks/h200.sh lazy      # shipped model, chain modes with lazy chain drafts (one sync per step)
+#   bash benchmarks/h200.sh lazy-80b  # 80B-A3B shapes at 1K, 8K and 32K, lazy chain drafts, final kernel
+#   bash benchmarks/h200.sh lossless-fp32 # shipped model, every mode vs mlx-lm greedy, float32 only
+#   bash benchmarks/h200.sh host-time # graph building against evaluation by T, shipped model and 80B shapes
+#   bash benchmarks/h200.sh qmm-rows  # MLX's 4-bit matmuls (dense, routed experts) by row count
+#   bash benchmarks/h200.sh 80b-32k   # 80B-A3B shapes, forward costs and peak memory at 32K (one prefill)
 #
 # cuDNN's attention builds a graph for every new key length it sees; a verify
 # forward over K+1 queries gets a new key length every step, so the runs turn
@@ -63,6 +69,26 @@ case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-540}" $bench --synthetic 80b --limit 1 --max-tokens 32 --rounds 1 \
       --modes baseline mlx_lm chain-k2 chain-k3 tree-k3 --contexts 1024 8192 --batch-sizes --time-budget 330 \
       --json "$out/kernel-80b.json" 2>&1 | tee "$out/kernel-80b.log" ;;
+  lazy)
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-150}" $bench --limit 8 --max-tokens 64 --rounds 1 \
+      --modes baseline mlx_lm chain-k2 chain-k3 chain-k4 adaptive-k5 tree-k3 --batch-sizes \
+      --json "$out/lazy-shipped.json" 2>&1 | tee "$out/lazy-shipped.log" ;;
+  lazy-80b)
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-560}" $bench --synthetic 80b --limit 1 --max-tokens 32 --rounds 1 \
+      --modes baseline mlx_lm chain-k2 chain-k3 --contexts 1024 8192 32768 --batch-sizes --time-budget 330 \
+      --json "$out/lazy-80b.json" 2>&1 | tee "$out/lazy-80b.log" ;;
+  lossless-fp32)
+    MLX_CUDA_USE_CUDNN_SDPA=0 MLX_ENABLE_TF32=0 timeout "${LIMIT:-150}" python3 -u -m mtp_engine.lossless --limit 12 \
+      --max-tokens 64 --dtype float32 --json "$out/lossless-fp32.json" 2>&1 | tee "$out/lossless-fp32.log" ;;
+  host-time)
+    (MLX_CUDA_USE_CUDNN_SDPA=0 timeout 100 python3 -u benchmarks/host_time.py --context 1024 --repeats 30
+     MLX_CUDA_USE_CUDNN_SDPA=0 timeout 400 python3 -u benchmarks/host_time.py --synthetic 80b --context 1024 \
+       --repeats 15) 2>&1 | tee "$out/host-time.log" ;;
+  qmm-rows)
+    timeout 200 python3 -u benchmarks/qmm_rows.py 2>&1 | tee "$out/qmm-rows.log" ;;
+  80b-32k)
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-520}" python3 -u benchmarks/long_context_costs.py --context 32768 \
+      --json "$out/80b-32k-costs.json" 2>&1 | tee "$out/80b-32k-costs.log" ;;
   lossless8)
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-400}" python3 -u -m mtp_engine.lossless --limit 8 --max-tokens 64 \
       --json "$out/lossless-bf16-noise.json" 2>&1 | tee "$out/lossless-bf16-noise.log" ;;

@@ -26,6 +26,17 @@ Two tests make a divergence a near-tie; either suffices:
   ``2 * noise`` and the noise itself is arithmetic-sized (at most
   ``NOISE_CAP`` near-tie bounds; a wrong commit shifts logits by whole units).
   Bit-identical passes measure a noise of 0, so there any divergence fails.
+
+The engine's own plain decoding (``baseline``, one token per forward) runs
+too. Where its one-token arithmetic is not mlx-lm's (on CUDA the engine's
+recurrence kernel runs one-token decoding as well), a mode can differ from
+the reference exactly where plain decoding does. Such a divergence is
+explained by plain decoding when the mode's whole output equals the
+engine's plain decoding and the reference's top-2 gap there is within
+``NOISE_CAP`` near-tie bounds (a broken kernel moves logits by whole
+units): speculation then lost nothing against one-token decoding with the
+same kernels. The report counts the outputs identical to the engine's plain
+decoding next to those identical to the reference.
 """
 
 from __future__ import annotations
@@ -74,6 +85,7 @@ class Divergence:
     bound: float
     engine_gap: float | None = None  # the engine's lead of its token over the reference's
     noise: float | None = None  # largest logit difference on shared tokens before ``position``
+    same_as_plain: bool = False  # the mode's output equals the engine's plain decoding
 
     @property
     def explained_by_noise(self) -> bool:
@@ -82,14 +94,19 @@ class Divergence:
         return self.gap + self.engine_gap <= 2 * self.noise
 
     @property
+    def explained_by_plain(self) -> bool:
+        return self.same_as_plain and self.gap <= NOISE_CAP * self.bound
+
+    @property
     def near_tie(self) -> bool:
-        return self.gap < self.bound or self.explained_by_noise
+        return self.gap < self.bound or self.explained_by_noise or self.explained_by_plain
 
 
 @dataclass
 class Report:
     compared: int = 0
     identical: int = 0
+    identical_to_plain: int = 0  # outputs equal to the engine's own plain decoding
     divergences: list[Divergence] = field(default_factory=list)
 
     @property
@@ -175,9 +192,14 @@ def check(engine: MTPEngine, prompts: list[list[int]], modes: list[str], max_tok
     report = Report()
     for p, ids in enumerate(prompts):
         ref = reference(engine, ids, max_tokens, half_ulps)
+        plain = engine.generate(ids, max_tokens=max_tokens, mode="baseline").tokens
+        if (i := first_divergence(plain, ref)) is not None:
+            log(f"prompt {p} plain decoding: first divergence at token {i} ({plain[i]} vs reference "
+                f"{ref.tokens[i]}), reference top-2 gap {ref.gaps[i]:.4g}, near-tie bound {ref.bounds[i]:.4g}")
         for name in modes:
             result = engine.generate(ids, max_tokens=max_tokens, trace=True, **MODES[name])
             report.compared += 1
+            report.identical_to_plain += result.tokens == plain
             i = first_divergence(result.tokens, ref)
             token = None
             if i is None:
@@ -190,14 +212,14 @@ def check(engine: MTPEngine, prompts: list[list[int]], modes: list[str], max_tok
                     report.identical += 1
                     continue
             d = Divergence(p, name, i, result.tokens[i] if token is None else token, ref.tokens[i],
-                           ref.gaps[i], ref.bounds[i])
+                           ref.gaps[i], ref.bounds[i], same_as_plain=result.tokens == plain)
             if d.token != -1:
                 d.engine_gap, d.noise = measure_noise(ref, engine_tops(result.trace), i, d.token)
             report.divergences.append(d)
             got = "stop" if d.token == -1 else d.token
             measured = "" if d.noise is None else (
                 f"; engine gap {'-' if d.engine_gap is None else f'{d.engine_gap:.4g}'}, "
-                f"noise before it {d.noise:.4g}")
+                f"noise before it {d.noise:.4g}") + ("; same output as plain decoding" if d.same_as_plain else "")
             log(f"prompt {p} {name}: first divergence at token {i} ({got} vs reference {d.reference_token}), "
                 f"reference top-2 gap {d.gap:.4g} {'<' if d.gap < d.bound else '>='} near-tie bound "
                 f"{d.bound:.4g}{measured}{'' if d.near_tie else '  NOT A NEAR-TIE'}")
@@ -234,7 +256,9 @@ def main(argv=None) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         out = {"model": args.model, "dtype": str(dtype), "device": str(mx.default_device()),
                "compared": report.compared, "identical": report.identical,
-               "divergences": [asdict(d) | {"near_tie": d.near_tie, "explained_by_noise": d.explained_by_noise}
+               "identical_to_plain": report.identical_to_plain,
+               "divergences": [asdict(d) | {"near_tie": d.near_tie, "explained_by_noise": d.explained_by_noise,
+                                            "explained_by_plain": d.explained_by_plain}
                                for d in report.divergences]}
         Path(args.json).write_text(json.dumps(out, indent=2))
 
@@ -242,7 +266,8 @@ def main(argv=None) -> int:
                    log=lambda m: print(m, flush=True), after_prompt=save)
     near = len(report.divergences) - len(report.failures)
     print(f"{report.identical}/{report.compared} identical, {near} diverged on a near-tie, "
-          f"{len(report.failures)} diverged elsewhere")
+          f"{len(report.failures)} diverged elsewhere; {report.identical_to_plain}/{report.compared} "
+          f"identical to the engine's plain decoding")
     return 1 if report.failures else 0
 
 

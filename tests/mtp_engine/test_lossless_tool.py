@@ -30,6 +30,7 @@ def test_cli_reports_every_mode_identical(tmp_path, tiny_path):
     report = json.loads(out.read_text())
     assert code == 0
     assert report["compared"] == 6 and report["identical"] == 6 and report["divergences"] == []
+    assert report["identical_to_plain"] == 6
 
 
 def test_a_commit_one_token_short_is_caught(tiny_path, monkeypatch):
@@ -50,8 +51,19 @@ def test_a_commit_one_token_short_is_caught(tiny_path, monkeypatch):
     assert failure.noise > NOISE_CAP * failure.bound and not failure.explained_by_noise
 
 
-def _divergence(gap, engine_gap, noise, bound=0.125):
-    return Divergence(0, "chain-k2", 8, 11, 22, gap, bound, engine_gap, noise)
+def _divergence(gap, engine_gap, noise, bound=0.125, same_as_plain=False):
+    return Divergence(0, "chain-k2", 8, 11, 22, gap, bound, engine_gap, noise, same_as_plain)
+
+
+def test_plain_decoding_explains_only_an_output_it_shares_at_a_small_gap():
+    # Flipped past the measured noise (0.25 + 0.25 > 2 * 0.1875) ...
+    assert not _divergence(0.25, 0.25, 0.1875).near_tie
+    # ... but the engine's one-token decoding emits the very same output:
+    # the flip is its one-token arithmetic, not speculation.
+    assert _divergence(0.25, 0.25, 0.1875, same_as_plain=True).explained_by_plain
+    # A gap of whole units is no arithmetic difference, even when plain
+    # decoding shares it (a broken kernel would do that).
+    assert not _divergence(1.0, 0.25, 0.1875, same_as_plain=True).near_tie
 
 
 def test_measured_noise_explains_only_a_flip_within_it():
