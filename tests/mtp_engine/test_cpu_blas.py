@@ -26,6 +26,13 @@ def run_preloaded(args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+def printed_by_preloaded(script: str) -> list[str]:
+    """The lines ``python -c script`` prints with the library preloaded."""
+    proc = run_preloaded(["-c", script])
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
 def test_preloaded_shim_serves_mlx_matmuls_correctly():
     # Row counts on both sides of the row-by-row limit (32), every transposition.
     script = (
@@ -42,9 +49,7 @@ def test_preloaded_shim_serves_mlx_matmuls_correctly():
         "        err = max(err, float(np.abs(np.array(got) - want).max()))\n"
         "print(cpu_blas()); print(gemv_rows()); print(err)\n"
     )
-    proc = run_preloaded(["-c", script])
-    assert proc.returncode == 0, proc.stderr
-    blas, rows, err = proc.stdout.split("\n")[:3]
+    blas, rows, err = printed_by_preloaded(script)
     assert blas == OPENBLAS
     assert rows == "32"
     assert float(err) < 1e-3
@@ -58,9 +63,7 @@ def test_rows_of_a_preloaded_matmul_round_as_one_row_matmuls():
         "many = x @ w.T\n"
         "print(all(mx.array_equal(many[i : i + 1], x[i : i + 1] @ w.T).item() for i in range(5)))\n"
     )
-    proc = run_preloaded(["-c", script])
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "True"
+    assert printed_by_preloaded(script) == ["True"]
 
 
 def test_checkpoints_equal_token_by_token_decoding_bit_for_bit_under_openblas():
