@@ -179,32 +179,35 @@ def _recurrence(layer, q, k, v, a, b, state, mask, keep_states) -> tuple[mx.arra
         )
         return out, [states[i] for i in range(states.shape[0])]
 
-    ys, ssm_states = [], []
     if mask is None and mx.default_device() == mx.cpu:
         beta = mx.sigmoid(b)
         g = compute_g(layer.A_log, a, layer.dt_bias)
         if (repeat := v.shape[-2] // q.shape[-2]) > 1:
             q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
-        for t in range(S):
-            y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
-            ys.append(y)
-            if keep_states or t == S - 1:
-                ssm_states.append(state)
-        return mx.stack(ys, axis=1), ssm_states
 
+        def step(t: int, state: mx.array) -> tuple[mx.array, mx.array]:
+            y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+            return mx.expand_dims(y, 1), state
+
+    else:
+
+        def step(t: int, state: mx.array) -> tuple[mx.array, mx.array]:
+            return gated_delta_update(
+                q[:, t : t + 1],
+                k[:, t : t + 1],
+                v[:, t : t + 1],
+                a[:, t : t + 1],
+                b[:, t : t + 1],
+                layer.A_log,
+                layer.dt_bias,
+                state,
+                None if mask is None else mask[:, t : t + 1],
+                use_kernel=not layer.training,
+            )
+
+    ys, ssm_states = [], []
     for t in range(S):
-        y, state = gated_delta_update(
-            q[:, t : t + 1],
-            k[:, t : t + 1],
-            v[:, t : t + 1],
-            a[:, t : t + 1],
-            b[:, t : t + 1],
-            layer.A_log,
-            layer.dt_bias,
-            state,
-            None if mask is None else mask[:, t : t + 1],
-            use_kernel=not layer.training,
-        )
+        y, state = step(t, state)
         ys.append(y)
         if keep_states or t == S - 1:
             ssm_states.append(state)
