@@ -199,7 +199,8 @@ def check(engine: MTPEngine, prompts: list[list[int]], modes: list[str], max_tok
         for name in modes:
             result = engine.generate(ids, max_tokens=max_tokens, trace=True, **MODES[name])
             report.compared += 1
-            report.identical_to_plain += result.tokens == plain
+            same_as_plain = result.tokens == plain
+            report.identical_to_plain += same_as_plain
             i = first_divergence(result.tokens, ref)
             token = None
             if i is None:
@@ -212,14 +213,15 @@ def check(engine: MTPEngine, prompts: list[list[int]], modes: list[str], max_tok
                     report.identical += 1
                     continue
             d = Divergence(p, name, i, result.tokens[i] if token is None else token, ref.tokens[i],
-                           ref.gaps[i], ref.bounds[i], same_as_plain=result.tokens == plain)
+                           ref.gaps[i], ref.bounds[i], same_as_plain=same_as_plain)
             if d.token != -1:
                 d.engine_gap, d.noise = measure_noise(ref, engine_tops(result.trace), i, d.token)
             report.divergences.append(d)
             got = "stop" if d.token == -1 else d.token
             measured = "" if d.noise is None else (
                 f"; engine gap {'-' if d.engine_gap is None else f'{d.engine_gap:.4g}'}, "
-                f"noise before it {d.noise:.4g}") + ("; same output as plain decoding" if d.same_as_plain else "")
+                f"noise before it {d.noise:.4g}")
+            measured += "; same output as plain decoding" if d.same_as_plain else ""
             log(f"prompt {p} {name}: first divergence at token {i} ({got} vs reference {d.reference_token}), "
                 f"reference top-2 gap {d.gap:.4g} {'<' if d.gap < d.bound else '>='} near-tie bound "
                 f"{d.bound:.4g}{measured}{'' if d.near_tie else '  NOT A NEAR-TIE'}")
