@@ -19,6 +19,8 @@
 #   bash benchmarks/h200.sh host-time # graph building against evaluation by T, shipped model and 80B shapes
 #   bash benchmarks/h200.sh qmm-rows  # MLX's 4-bit matmuls (dense, routed experts) by row count
 #   bash benchmarks/h200.sh 80b-32k   # 80B-A3B shapes, forward costs and peak memory at 32K (one prefill)
+#   bash benchmarks/h200.sh distill-variants # MTP head self-distillation, hard_weight 0 / 0.5 / 1 (110 s each), chain modes of each
+#   bash benchmarks/h200.sh distill   # distill SOURCE (default the shipped model) for DISTILL_SECONDS, then the lazy chain suite on it
 #
 # cuDNN's attention builds a graph for every new key length it sees; a verify
 # forward over K+1 queries gets a new key length every step, so the runs turn
@@ -73,6 +75,23 @@ case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-150}" $bench --limit 8 --max-tokens 64 --rounds 1 \
       --modes baseline mlx_lm chain-k2 chain-k3 chain-k4 adaptive-k5 tree-k3 --batch-sizes \
       --json "$out/lazy-shipped.json" 2>&1 | tee "$out/lazy-shipped.log" ;;
+  distill-variants)  # needs .train-data (python -m mtp_engine.train prepare)
+    for hw in 0 0.5 1; do
+      python3 -u -m mtp_engine.train distill --out "/root/distill-hw$hw" --batch-size 128 --steps 100000 \
+        --eval-every 150 --hard-weight $hw --max-seconds "${DISTILL_SECONDS:-110}" 2>&1 \
+        | grep -v "^step" | tee "$out/distill-hw$hw.log"
+      MLX_CUDA_USE_CUDNN_SDPA=0 timeout 80 $bench --model "/root/distill-hw$hw" --limit 8 --max-tokens 64 \
+        --rounds 1 --modes baseline chain-k2 chain-k3 chain-k4 --batch-sizes --json "$out/distill-hw$hw.json" \
+        2>&1 | tail -14 | tee -a "$out/distill-hw$hw.log"
+    done ;;
+  distill)
+    python3 -u -m mtp_engine.train distill --model "${SOURCE:-models/qwen3-next-tiny-stdlib}" --out /root/distilled \
+      --batch-size 128 --steps 100000 --eval-every 200 --hard-weight "${HARD_WEIGHT:-1}" \
+      --max-seconds "${DISTILL_SECONDS:-300}" 2>&1 | grep -v "^step [0-9]*[1-9] " | tee "$out/distill.log"
+    mkdir -p "$out/distilled" && cp -r /root/distilled/. "$out/distilled/"
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-150}" $bench --model /root/distilled --limit 8 --max-tokens 64 \
+      --rounds 1 --modes baseline mlx_lm chain-k2 chain-k3 chain-k4 adaptive-k5 tree-k3 --batch-sizes \
+      --json "$out/distilled-shipped.json" 2>&1 | tee "$out/distilled-shipped.log" ;;
   lazy-80b)
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-560}" $bench --synthetic 80b --limit 1 --max-tokens 32 --rounds 1 \
       --modes baseline mlx_lm chain-k2 chain-k3 --contexts 1024 8192 32768 --batch-sizes --time-budget 330 \

@@ -15,15 +15,16 @@ JOB_MODES = MODES + ("batch", "auto")
 
 # What "auto" (the default) becomes on each MLX backend, from `make bench` on
 # the shipped model (README, Benchmarks). Over a dataset, continuous batching
-# wins on both: on the 2-core CPU 459 tok/s at B=16 against 247 for plain
-# decoding and 252 for the best speculative mode (chain K=2; MLX's sgemm on
-# OpenBLAS; 130 / 118 / 97 on the bundled BLAS); on an H200 (CUDA) 455 / 1001
-# tok/s at B=16 / 32 against 217 for plain decoding and 291 for the best
-# speculative mode (chain K=2; batch mode last measured before the CUDA
-# recurrence kernel, which batch mode does not use). The anchor for
-# the 80B-A3B shapes on the H200 points the same way (BatchGenerator 206
-# tok/s at B=16, 18.8 for one sequence). Speculative modes remain the choice
-# for one sequence at a time (latency), via --mode.
+# wins on both: on the 2-core CPU 498 tok/s at B=16 against 279 for plain
+# decoding and 327 for the best speculative mode (adaptive K=5 with the
+# self-distilled head; MLX's sgemm on OpenBLAS); on an H200 (CUDA) 455 / 1001
+# tok/s at B=16 / 32 against 214-256 for plain decoding and 369-442 for the
+# best speculative mode (chain K=4 or adaptive K=5 with the distilled head;
+# batch mode last measured before the CUDA recurrence kernel, which batch
+# mode does not use). The anchor for the 80B-A3B shapes on the H200
+# points the same way (BatchGenerator 206 tok/s at B=16, 18.8 for one
+# sequence). Speculative modes remain the choice for one sequence at a time
+# (latency), via --mode.
 AUTO_MODE = {"cpu": "batch", "gpu": "batch"}
 
 

@@ -3,6 +3,7 @@
     prepare  stdlib corpus -> BPE tokenizer and token arrays (train / held-out)
     prompts  held-out functions -> examples/prompts.jsonl (signature + docstring)
     fit      train the model and its MTP head; write a Hub-layout checkpoint
+    distill  retrain a checkpoint's MTP head on its own trunk's predictions
     measure  acceptance of every mode on the held-out prompts -> model card
 """
 
@@ -100,6 +101,79 @@ def cmd_fit(args) -> None:
     print(f"wrote {out}: {json.dumps(history[-1])}")
 
 
+def distill_settings(args, weights: tuple[float, ...]):
+    """`DistillSettings` from the ``distill`` arguments (ValueError names a bad one)."""
+    from mtp_engine.train.distill import DistillSettings
+
+    return DistillSettings(
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        lr=args.lr,
+        warmup=min(args.warmup, max(args.steps // 10, 1)),
+        depth_weights=weights,
+        hard_weight=args.hard_weight,
+        generated_fraction=args.generated_fraction,
+        prefix_len=args.prefix_len,
+        eval_every=args.eval_every,
+        max_seconds=args.max_seconds,
+        seed=args.seed,
+        compile=not args.no_compile,
+    )
+
+
+def cmd_distill(args) -> None:
+    import mlx.core as mx
+
+    from mtp_engine.hub_writer import replace_mtp_head
+    from mtp_engine.loader import load_checkpoint
+    from mtp_engine.train.distill import distill, settings_dict
+
+    try:
+        weights = tuple(float(w) for w in args.depth_weights.split(","))
+    except ValueError:
+        sys.exit(f"--depth-weights must be comma-separated numbers, got {args.depth_weights!r}")
+    try:
+        settings = distill_settings(args, weights)
+    except ValueError as e:
+        sys.exit(f"distill: {e}")
+    data = Path(args.data)
+    for name in ("train.npy", "heldout.npy"):
+        if not (data / name).exists():
+            sys.exit(f"{data / name} not found: run `python -m mtp_engine.train prepare --data {data}` "
+                     "or pass --data with a folder holding train.npy and heldout.npy (token ids)")
+    train_tokens = np.load(data / "train.npy")
+    held_tokens = np.load(data / "heldout.npy")
+    loaded = load_checkpoint(args.model, dtype="float32", compile_layers=False)
+    started = time.time()
+    out = Path(args.out)
+    training = out / "training.json"
+    source_training = loaded.path / "training.json"
+    info = json.loads(source_training.read_text()) if source_training.exists() else {}
+
+    def save(history: list[dict]) -> None:
+        # After every evaluation: the head so far, and the run so far.
+        replace_mtp_head(loaded.path, out, loaded.head)
+        record = {
+            "source": str(args.model),
+            "settings": settings_dict(settings),
+            "steps_done": history[-1]["step"],
+            "tokens_seen": history[-1].get("tokens", 0),
+            "seconds": round(time.time() - started, 1),
+            "device": str(mx.default_device()),
+            "history": history,
+        }
+        runs = info.get("head_distillation", [])
+        runs = runs if isinstance(runs, list) else [runs]
+        tmp = training.with_name(training.name + ".tmp")
+        tmp.write_text(json.dumps({**info, "head_distillation": runs + [record]}, indent=2))
+        tmp.replace(training)
+
+    history = distill(loaded.model, loaded.head, train_tokens, held_tokens, settings,
+                      log=lambda m: print(m, flush=True), on_eval=save)
+    print(f"wrote {out}: {json.dumps(history[-1])}")
+
+
 def cmd_measure(args) -> None:
     from mtp_engine.train.card import measure_and_write_card
 
@@ -129,13 +203,34 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-compile", action="store_true", help="do not mx.compile the training step")
     p.add_argument("--config-overrides", help="JSON dict of config.json overrides (e.g. smaller tests)")
+    p = sub.add_parser("distill", help="retrain the MTP head on the trunk's own predictions")
+    p.add_argument("--model", default="models/qwen3-next-tiny-stdlib")
+    p.add_argument("--out", required=True, help="output folder (may equal --model to update it in place)")
+    p.add_argument("--data", default=".train-data")
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--depth-weights", default="1.0,0.8,0.6,0.4",
+                   help="loss weight of each chained draft step; their count is the depth trained")
+    p.add_argument("--hard-weight", type=float, default=1.0,
+                   help="weight of the trunk's argmax against its softmax in the targets (0..1)")
+    p.add_argument("--generated-fraction", type=float, default=0.25,
+                   help="share of windows that are the trunk's own greedy continuations")
+    p.add_argument("--prefix-len", type=int, default=32, help="corpus prefix of a generated window")
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--max-seconds", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-compile", action="store_true", help="do not mx.compile the training step")
     p = sub.add_parser("measure", help="measure acceptance and write the model card")
     p.add_argument("--model", default="models/qwen3-next-tiny-stdlib")
     p.add_argument("--prompts", default="examples/prompts.jsonl")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=None)
     args = parser.parse_args(argv)
-    {"prepare": cmd_prepare, "prompts": cmd_prompts, "fit": cmd_fit, "measure": cmd_measure}[args.command](args)
+    {"prepare": cmd_prepare, "prompts": cmd_prompts, "fit": cmd_fit, "distill": cmd_distill,
+     "measure": cmd_measure}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -107,6 +107,47 @@ def measure_and_write_card(model: Path, prompts_path: Path, max_tokens: int = 12
     return results
 
 
+def distillation_lines(runs: list[dict]) -> list[str]:
+    """Model-card lines for the head's self-distillation runs (`mtp_engine.train.distill`)."""
+    if not runs:
+        return []
+    first, last = runs[0]["history"][0], runs[-1]["history"][-1]
+    depths = sorted(int(k[5:]) for k in first if k.startswith("agree"))
+    lines = [
+        "## MTP head self-distillation",
+        "",
+        "After `fit`, the head alone was retrained on the trunk's own predictions "
+        "(`python -m mtp_engine.train distill`): at every draft depth it learns the trunk's argmax "
+        "(and, with hard_weight < 1, its softmax), on corpus windows and on the trunk's own greedy "
+        "continuations of corpus prefixes. The trunk, embedding and LM head are unchanged, so "
+        "greedy output is the same as before.",
+        "",
+        "| run | steps | tokens | seconds | hard weight | depth weights | generated fraction |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for i, r in enumerate(runs, 1):
+        st = r["settings"]
+        lines.append(f"| {i} | {r['steps_done']} | {r['tokens_seen']} | {r['seconds']} | {st['hard_weight']} | "
+                     f"{', '.join(str(w) for w in st['depth_weights'])} | {st['generated_fraction']} |")
+    lines += [
+        "",
+        "Reproduce (each run starts from the previous run's output; the runs trained about "
+        "30,000 tokens a second on an H200, a 2-core CPU manages about 100, too slow for this): `python -m mtp_engine.train distill --model M --out M --batch-size "
+        f"{runs[-1]['settings']['batch_size']} --hard-weight {runs[-1]['settings']['hard_weight']} "
+        "--max-seconds S` (`benchmarks/h200.sh distill-variants` and `distill` ran them).",
+        "",
+        "Held-out agreement with the trunk's argmax under teacher forcing (depth j: the head's "
+        "j-th chained draft given the true earlier tokens), before the first run and after the last:",
+        "",
+        "| depth | " + " | ".join(str(d) for d in depths) + " |",
+        "| --- | " + " | ".join("---" for _ in depths) + " |",
+        "| head as fit | " + " | ".join(f"{first[f'agree{d}']:.3f}" for d in depths) + " |",
+        "| distilled | " + " | ".join(f"{last[f'agree{d}']:.3f}" for d in depths) + " |",
+        "",
+    ]
+    return lines
+
+
 def write_card(model: Path) -> None:
     config = json.loads((model / "config.json").read_text())
     training = json.loads((model / "training.json").read_text()) if (model / "training.json").exists() else {}
@@ -159,6 +200,9 @@ def write_card(model: Path) -> None:
         f"- MTP chained step 2 accuracy: {last.get('mtp2_acc', float('nan')):.3f}",
         "",
     ]
+    lines += distillation_lines(training.get("head_distillation") or [])
+    earlier = model / "acceptance-fit-head.json"
+    before = json.loads(earlier.read_text())["results"] if earlier.exists() else {}
     if acceptance:
         res = acceptance["results"]
         lines += [
@@ -168,16 +212,19 @@ def write_card(model: Path) -> None:
             f"{acceptance['max_tokens']} tokens each, {acceptance.get('dtype')} on MLX's CPU backend. "
             "Acceptance length = tokens emitted per verify step.",
             "",
-            "| mode | acceptance length | before loops | identical to baseline |",
-            "| --- | --- | --- | --- |",
+            "| mode | acceptance length | before loops | identical to baseline |"
+            + (" head as fit: acceptance length | before loops |" if before else ""),
+            "| --- | --- | --- | --- |" + (" --- | --- |" if before else ""),
         ]
         for name, r in res.items():
             if name in ("baseline", "loops"):
                 continue
-            lines.append(
-                f"| {name} | {r['acceptance_length']:.2f} | {r['acceptance_length_before_loops']} | "
-                f"{r['identical_to_baseline']} |"
-            )
+            row = (f"| {name} | {r['acceptance_length']:.2f} | {r['acceptance_length_before_loops']} | "
+                   f"{r['identical_to_baseline']} |")
+            if before:
+                b = before.get(name, {})
+                row += f" {b.get('acceptance_length', '-')} | {b.get('acceptance_length_before_loops', '-')} |"
+            lines.append(row)
         loops = res["loops"]
         lines += [
             "",
