@@ -144,6 +144,10 @@ def cmd_distill(args) -> None:
                      "or pass --data with a folder holding train.npy and heldout.npy (token ids)")
     train_tokens = np.load(data / "train.npy")
     held_tokens = np.load(data / "heldout.npy")
+    for name, tokens in (("train.npy", train_tokens), ("heldout.npy", held_tokens)):
+        if tokens.ndim != 1 or len(tokens) <= settings.seq_len:
+            sys.exit(f"{data / name} must be a 1-D token array longer than --seq-len {settings.seq_len}, "
+                     f"got shape {tokens.shape}")
     loaded = load_checkpoint(args.model, dtype="float32", compile_layers=False)
     started = time.time()
     out = Path(args.out)

@@ -201,6 +201,9 @@ def distill(
     first (the command saves the head there, so a killed run keeps its last
     evaluated head)."""
     depth = len(s.depth_weights)
+    for name, tokens in (("train_tokens", train_tokens), ("held_tokens", held_tokens)):
+        if len(tokens) <= s.seq_len:
+            raise ValueError(f"{name} has {len(tokens)} tokens; need more than seq_len {s.seq_len}")
     model.freeze()
     model.eval()
     head.train()
