@@ -43,6 +43,17 @@ $(CBLAS_SHIM): native/cblas_openblas.c $(VENV)/.installed
 	  echo "built $@ (MLX's CPU sgemm -> OpenBLAS)" || \
 	  { rm -f $@; echo "note: could not build $@ (no C compiler?); MLX keeps its reference BLAS"; }
 
+# Linux CPU: native/gdn_tokens.cpp, the gated-delta recurrence over T tokens as
+# one MLX primitive (mtp_engine/cpu_recurrence.py); without it the engine runs
+# mlx-lm's ops.
+GDN_STAMP := $(VENV)/.gdn-built
+ifeq ($(shell uname -s)-$(MLX_BACKEND),Linux-cpu)
+SHIM_TARGET += $(GDN_STAMP)
+endif
+
+$(GDN_STAMP): native/gdn_tokens.cpp native/build_gdn.py $(VENV)/.installed
+	@$(PY) native/build_gdn.py; touch $@
+
 install: $(VENV)/.installed $(SHIM_TARGET)
 
 test: $(VENV)/.installed $(SHIM_TARGET)

@@ -30,7 +30,7 @@ from mlx_lm.models.gated_delta import (  # the step is private: mlx-lm is pinned
 )
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 
-from mtp_engine import cuda_recurrence
+from mtp_engine import cpu_recurrence, cuda_recurrence
 
 
 class CheckpointArraysCache(ArraysCache):
@@ -84,7 +84,8 @@ class CheckpointingGatedDeltaNet(Qwen3NextGatedDeltaNet):
         # always where the CUDA kernel runs the recurrence (so one-token
         # decoding and verify forwards share its arithmetic).
         if isinstance(cache, CheckpointArraysCache) and (
-            cache.capture or (mask is None and cuda_recurrence.serves(self))
+            cache.capture
+            or (mask is None and (cuda_recurrence.serves(self) or cpu_recurrence.serves(self)))
         ):
             return self._call_engine(inputs, mask, cache)
         return super().__call__(inputs, mask=mask, cache=cache)
@@ -184,6 +185,9 @@ def _recurrence(layer, q, k, v, a, b, state, mask, keep_states) -> tuple[mx.arra
         g = compute_g(layer.A_log, a, layer.dt_bias)
         if (repeat := v.shape[-2] // q.shape[-2]) > 1:
             q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
+        if cpu_recurrence.serves(layer):
+            out, states = cpu_recurrence.gated_delta_tokens(q, k, v, g, beta, state, keep_states)
+            return out, [states[i] for i in range(states.shape[0])]
 
         def step(t: int, state: mx.array) -> tuple[mx.array, mx.array]:
             y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
