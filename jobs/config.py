@@ -15,9 +15,10 @@ JOB_MODES = MODES + ("batch", "auto")
 
 # What "auto" (the default) becomes on each MLX backend, from `make bench` on
 # the shipped model (README, Benchmarks). Over a dataset, continuous batching
-# wins on both: on the 2-core CPU 498 tok/s at B=16 against 279 for plain
-# decoding and 327 for the best speculative mode (adaptive K=5 with the
-# self-distilled head; MLX's sgemm on OpenBLAS); on an H200 (CUDA) 455 / 1001
+# wins on both: on the 2-core CPU 504 tok/s at B=16 against 314 for plain
+# decoding and 407 for the best speculative mode (chain K=4 with the
+# self-distilled head and the recurrence primitive; MLX's sgemm on OpenBLAS);
+# on an H200 (CUDA) 455 / 1001
 # tok/s at B=16 / 32 against 214-256 for plain decoding and 369-442 for the
 # best speculative mode (chain K=4 or adaptive K=5 with the distilled head;
 # batch mode last measured before the CUDA recurrence kernel, which batch
