@@ -14,10 +14,9 @@ The loss mixes the cross-entropy to the trunk's argmax (hard targets, weight
 ``hard_weight``, default 1) and to its softmax (soft targets): acceptance only
 asks for the argmax. On the shipped model, 100 s runs with hard_weight 1 and
 0.5 reached held-out agreement 0.551 and 0.542 (`benchmarks/h200/distill-hw*`).
-Windows
-come from the training corpus, and with ``generated_fraction > 0`` partly
-from the trunk's own greedy continuations of corpus prefixes: that is the
-text the head drafts on at decode time (repetitive loops included).
+Windows come from the training corpus, and with ``generated_fraction > 0``
+partly from the trunk's own greedy continuations of corpus prefixes: that is
+the text the head drafts on at decode time (repetitive loops included).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import json
 import math
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -36,6 +34,15 @@ import numpy as np
 
 @dataclass
 class DistillSettings:
+    """Settings of one distillation run; a bad value raises ValueError naming it.
+
+    ``depth_weights`` sets both the number of chained draft steps trained and
+    each one's loss weight; ``hard_weight`` mixes argmax (1) and softmax (0)
+    targets; ``generated_fraction`` of the windows are the trunk's greedy
+    continuations of ``prefix_len``-token corpus prefixes. With
+    ``max_seconds`` the cosine schedule runs on time as well as steps.
+    """
+
     seq_len: int = 256
     batch_size: int = 32
     steps: int = 2000
@@ -137,7 +144,8 @@ class Windows:
         s = self.s
         # Decoding costs about the same for 256 rows as for 16 on a GPU. MLX's
         # CUDA backend has failed kernel launches at large batches
-        # ("cudaGraphAddKernelNode ... invalid argument" at 512 rows): halve
+        # ("cudaGraphAddKernelNode ... invalid argument" at 256 and 512 rows on an
+        # H200; 64 ran): halve
         # the batch and try again.
         while True:
             prefixes = self._corpus(self.rows, s.prefix_len)
