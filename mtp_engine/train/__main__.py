@@ -127,7 +127,9 @@ def cmd_distill(args) -> None:
 
     from mtp_engine.hub_writer import replace_mtp_head
     from mtp_engine.loader import load_checkpoint
-    from mtp_engine.train.distill import distill, settings_dict
+    from dataclasses import asdict
+
+    from mtp_engine.train.distill import distill
 
     try:
         weights = tuple(float(w) for w in args.depth_weights.split(","))
@@ -160,7 +162,7 @@ def cmd_distill(args) -> None:
         replace_mtp_head(loaded.path, out, loaded.head)
         record = {
             "source": str(args.model),
-            "settings": settings_dict(settings),
+            "settings": asdict(settings),
             "steps_done": history[-1]["step"],
             "tokens_seen": history[-1].get("tokens", 0),
             "seconds": round(time.time() - started, 1),

@@ -22,14 +22,15 @@ the text the head drafts on at decode time (repetitive loops included).
 from __future__ import annotations
 
 import json
-import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+
+from mtp_engine.train.fit import learning_rate, make_train_step
 
 
 @dataclass
@@ -190,16 +191,6 @@ def evaluate(
     }
 
 
-def learning_rate(s: DistillSettings, step: int, elapsed: float) -> float:
-    if step < s.warmup:
-        return s.lr * (step + 1) / s.warmup
-    progress = step / s.steps
-    if s.max_seconds:
-        progress = max(progress, elapsed / s.max_seconds)
-    progress = min(progress, 1.0)
-    return s.min_lr + (s.lr - s.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def distill(
     model, head, train_tokens: np.ndarray, held_tokens: np.ndarray, s: DistillSettings, log=print, on_eval=None
 ) -> list[dict]:
@@ -222,17 +213,7 @@ def distill(
         losses, agree = depth_losses(model, head, x, depth, s.hard_weight)
         return (mx.stack(losses) * weights).sum() / weights.sum(), mx.stack(agree)
 
-    grad_fn = nn.value_and_grad(head, loss_fn)
-    state = [head.state, optimizer.state]
-
-    def step_fn(x):
-        (loss, agree), grads = grad_fn(head, x)
-        grads, _ = optim.clip_grad_norm(grads, s.clip)
-        optimizer.update(head, grads)
-        return loss, agree
-
-    if s.compile:
-        step_fn = mx.compile(step_fn, inputs=state, outputs=state)
+    step_fn, state = make_train_step(head, loss_fn, optimizer, s.clip, s.compile)
 
     history = [{"step": 0, **evaluate(model, head, held_tokens, s.seq_len, depth, s.hard_weight)}]
     log(f"eval step 0: {json.dumps(history[-1])}")
@@ -261,7 +242,3 @@ def distill(
             log(f"time budget reached at step {step}")
             break
     return history
-
-
-def settings_dict(s: DistillSettings) -> dict:
-    return asdict(s)

@@ -180,17 +180,7 @@ def train(
         lm, mtp1, mtp2 = losses(t, x)
         return lm + w1 * mtp1 + w2 * mtp2, (lm, mtp1, mtp2)
 
-    grad_fn = nn.value_and_grad(trainee, loss_fn)
-    state = [trainee.state, optimizer.state]
-
-    def train_step(x):
-        (loss, parts), grads = grad_fn(trainee, x)
-        grads, _ = optim.clip_grad_norm(grads, settings.clip)
-        optimizer.update(trainee, grads)
-        return loss, parts
-
-    if settings.compile:
-        train_step = mx.compile(train_step, inputs=state, outputs=state)
+    train_step, state = make_train_step(trainee, loss_fn, optimizer, settings.clip, settings.compile)
 
     rng = np.random.default_rng(settings.seed + step)
     data = batches(train_tokens, settings, rng)
@@ -226,10 +216,34 @@ def train(
     return trainee, history
 
 
-def learning_rate(settings: TrainSettings, step: int, elapsed: float) -> float:
+def make_train_step(module: nn.Module, loss_fn, optimizer, clip: float, compile: bool):
+    """One optimizer step on ``module``'s trainable parameters.
+
+    ``loss_fn(module, x)`` returns ``(loss, aux)``. Returns ``(step, state)``:
+    ``step(x)`` computes gradients, clips their global norm to ``clip``,
+    updates and returns ``(loss, aux)`` (lazily; evaluate ``state`` with it),
+    compiled with ``mx.compile`` when ``compile``.
+    """
+    grad_fn = nn.value_and_grad(module, loss_fn)
+    state = [module.state, optimizer.state]
+
+    def step(x):
+        (loss, aux), grads = grad_fn(module, x)
+        grads, _ = optim.clip_grad_norm(grads, clip)
+        optimizer.update(module, grads)
+        return loss, aux
+
+    if compile:
+        step = mx.compile(step, inputs=state, outputs=state)
+    return step, state
+
+
+def learning_rate(settings, step: int, elapsed: float) -> float:
     """Linear warmup, then cosine decay to ``min_lr``. Progress is the larger
     of steps done and time spent (with ``max_seconds``), so a run cut short by
-    its time budget still ends its schedule."""
+    its time budget still ends its schedule. ``settings`` is a `TrainSettings`
+    or anything with its ``lr``, ``min_lr``, ``warmup``, ``steps`` and
+    ``max_seconds`` (`DistillSettings`)."""
     if step < settings.warmup:
         return settings.lr * (step + 1) / settings.warmup
     progress = step / settings.steps
