@@ -18,7 +18,8 @@ NP ?= 1
 PYTEST_ARGS ?=
 
 # Linux CPU: MLX's wheel links the reference (netlib) BLAS. native/cblas_openblas.c
-# routes MLX's sgemm to OpenBLAS (the scipy-openblas32 wheel) when LD_PRELOADed;
+# routes MLX's sgemm to OpenBLAS (the scipy-openblas32 wheel) when LD_PRELOADed,
+# and products of few rows to its own kernel (native/few_rows.c);
 # `make install` builds it when a C compiler is present, `make generate` and
 # `make bench` use it when it exists. `make test` runs on MLX's own BLAS, and
 # tests/mtp_engine/test_cpu_blas.py re-runs the bit-exact checkpoint tests and a
@@ -37,22 +38,27 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
-$(CBLAS_SHIM): native/cblas_openblas.c $(VENV)/.installed
+# -march=native: the library is built on the machine that runs it (into .venv).
+$(CBLAS_SHIM): native/cblas_openblas.c native/few_rows.c native/few_rows.h $(VENV)/.installed
 	@lib=$$($(PY) -c "import scipy_openblas32 as o; print(o.get_lib_dir())") && \
-	  $${CC:-cc} -O2 -shared -fPIC $< -o $@ -L$$lib -lscipy_openblas -Wl,-rpath,$$lib && \
+	  $${CC:-cc} -O3 -march=native -ffp-contract=off -shared -fPIC native/cblas_openblas.c native/few_rows.c \
+	    -o $@ -L$$lib -lscipy_openblas -Wl,-rpath,$$lib && \
 	  echo "built $@ (MLX's CPU sgemm -> OpenBLAS)" || \
 	  { rm -f $@; echo "note: could not build $@ (no C compiler?); MLX keeps its reference BLAS"; }
 
-# Linux CPU: native/gdn_tokens.cpp, the gated-delta recurrence over T tokens as
-# one MLX primitive (mtp_engine/cpu_recurrence.py); without it the engine runs
-# mlx-lm's ops.
-GDN_STAMP := $(VENV)/.gdn-built
+# Linux CPU: native/build_native.py builds two extensions into .venv:
+# native/gdn_tokens.cpp, the gated-delta recurrence over T tokens as one MLX
+# primitive (mtp_engine/cpu_recurrence.py), and native/draft_head.cpp, the MTP
+# head's draft steps in C++ (mtp_engine/cpu_drafter.py). Without them the
+# engine runs the MLX ops they replace.
+GDN_STAMP := $(VENV)/.native-built
 ifeq ($(shell uname -s)-$(MLX_BACKEND),Linux-cpu)
 SHIM_TARGET += $(GDN_STAMP)
 endif
 
-$(GDN_STAMP): native/gdn_tokens.cpp native/build_gdn.py $(VENV)/.installed
-	@$(PY) native/build_gdn.py; touch $@
+$(GDN_STAMP): native/gdn_tokens.cpp native/draft_head.cpp native/few_rows.c native/few_rows.h \
+		native/build_native.py $(VENV)/.installed
+	@$(PY) native/build_native.py; touch $@
 
 install: $(VENV)/.installed $(SHIM_TARGET)
 

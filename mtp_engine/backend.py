@@ -46,13 +46,13 @@ def cpu_blas() -> str:
     return BUNDLED
 
 
-def gemv_rows() -> int | None:
-    """Matmuls of at most this many rows run row by row (sgemv) under the
-    preloaded OpenBLAS library (``MTP_GEMV_ROWS``, default 32); None when it
-    is not loaded."""
+def few_rows() -> int | None:
+    """Matmuls of at most this many rows go to the preloaded library's own
+    few-row kernel (``native/few_rows.c``; ``MTP_FEW_ROWS``, default 32);
+    None when the library is not loaded."""
     if cpu_blas() != OPENBLAS:
         return None
     try:
-        return int(ctypes.CDLL(None).mtp_cblas_gemv_rows())
+        return int(ctypes.CDLL(None).mtp_cblas_few_rows())
     except (AttributeError, OSError):
         return None

@@ -26,7 +26,7 @@ import mlx.core as mx
 import orjson
 from mlx_lm.generate import generate_step
 
-from mtp_engine.backend import cpu_blas, gemv_rows, prefer_mlx_attention
+from mtp_engine.backend import cpu_blas, few_rows, prefer_mlx_attention
 from mtp_engine.compiled import CompiledDecoderLayer
 from mtp_engine.engine import MTPEngine
 from mtp_engine.recurrent import CheckpointArraysCache, make_main_cache
@@ -99,8 +99,8 @@ def machine_info() -> dict:
     }
     if mx.default_device() == mx.cpu:
         info["blas"] = cpu_blas()
-        if (rows := gemv_rows()) is not None:
-            info["blas_gemv_rows"] = rows
+        if (rows := few_rows()) is not None:
+            info["blas_few_rows"] = rows
     try:
         import mlx_lm
 
@@ -201,21 +201,36 @@ def forward_costs(engine: MTPEngine, context: list[int], widths: list[int], repe
     for width in widths:
         verify(width)
         out[width] = _median_seconds(lambda: verify(width), repeats)
-    drafter = engine.drafter
-    state = drafter.new_state()
     n = min(64, len(context))
     hidden = model.model(mx.array(context[-n:])[None], cache=make_main_cache(model))
-    drafter.set_pending(state, hidden, context[len(context) - n + 1 :] + [7])
-    drafter.first_step(state)
+    pairs = context[len(context) - n + 1 :] + [7]
     h1 = hidden[:, -1:]
+    drafter = engine.drafter_for("chain")
+    state = drafter.new_state()
+    drafter.set_pending(state, hidden, pairs)
+    if drafter is engine.drafter:
+        drafter.first_step(state)
 
-    def mtp_step():
-        logits, _ = drafter.step(state, h1, 7)
-        int(mx.argmax(logits))
-        drafter.rewind(state, state.base)
+        def mtp_step():
+            logits, _ = drafter.step(state, h1, 7)
+            int(mx.argmax(logits))
+            drafter.rewind(state, state.base)
+
+    else:  # the C++ drafter: one pair in, one draft out, is one step
+        drafter.draft(state, 1)
+        h1 = mx.contiguous(h1)
+        mx.eval(h1)
+
+        def mtp_step():
+            state.session.draft(h1, [7], 1)
+            state.session.rewind(state.base)
 
     mtp_step()
-    return {"verify_s": out, "mtp_step_s": _median_seconds(mtp_step, repeats)}
+    return {
+        "verify_s": out,
+        "mtp_step_s": _median_seconds(mtp_step, repeats),
+        "drafter": "mlx" if drafter is engine.drafter else "c++",
+    }
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -240,6 +255,7 @@ def cost_model(costs: dict, rows: list[dict], totals: dict | None = None) -> dic
         "forward_ratio": {str(t): round(s / t1, 3) for t, s in v.items()},
         "forward_1_ms": round(t1 * 1e3, 3),
         "mtp_step_ratio": round(costs["mtp_step_s"] / t1, 3),
+        "chain_drafter": costs.get("drafter", "mlx"),
         "predicted": [],
     }
     for row in rows:
@@ -334,7 +350,7 @@ def print_table(report: dict, log) -> None:
             f"{'yes' if r['identical'] else 'NO':>7}{ds:>8}{vs:>8}{r['peak_memory_gb']:>8.2f}")
     cm = report.get("cost_model")
     if cm:
-        log(f"cost model: forward(T)/forward(1) = {cm['forward_ratio']}, MTP step = {cm['mtp_step_ratio']} x forward(1), forward(1) = {cm['forward_1_ms']} ms")
+        log(f"cost model: forward(T)/forward(1) = {cm['forward_ratio']}, MTP step = {cm['mtp_step_ratio']} x forward(1) ({cm.get('chain_drafter', 'mlx')} drafter), forward(1) = {cm['forward_1_ms']} ms")
         for p in cm["predicted"]:
             extra = f", step {p['step_ms']} ms of which forwards {p['forwards_ms']} ms, overhead {100 * p['overhead_share']:.0f}%" if "step_ms" in p else ""
             log(f"  {p['mode']}: predicted {p['predicted_speedup']}x, measured {p['measured_speedup']}x, efficiency {p['efficiency']}{extra}")

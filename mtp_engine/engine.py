@@ -27,6 +27,7 @@ from mtp_engine.cache_ops import (
     snapshot,
     tile_caches,
 )
+from mtp_engine.cpu_drafter import NativeDrafter, native_head
 from mtp_engine.drafter import MTPDrafter
 from mtp_engine.loader import LoadedCheckpoint, load_checkpoint
 from mtp_engine.modes import DecodeConfig
@@ -114,6 +115,11 @@ class MTPEngine:
         self.drafter = MTPDrafter(
             checkpoint.head, trunk.embed_tokens, self.lm_head, prefill_step_size
         )
+        # On the CPU, chain and adaptive drafts run in C++ where the head allows
+        # (`mtp_engine.cpu_drafter`); it reads the head's weights as they are now.
+        lm_head = trunk.embed_tokens if self.model.args.tie_word_embeddings else self.model.lm_head
+        native = native_head(checkpoint.head, trunk.embed_tokens, lm_head)
+        self.native_drafter = NativeDrafter(native) if native is not None else None
 
     @classmethod
     def load(
@@ -302,8 +308,15 @@ class MTPEngine:
             if stats.steps % 256 == 0:
                 mx.clear_cache()
 
+    def drafter_for(self, mode: str) -> MTPDrafter | NativeDrafter:
+        """The drafter a mode uses: the C++ one for chain and adaptive drafts
+        when the engine has it, else the MLX one."""
+        if self.native_drafter is not None and mode in ("chain", "adaptive"):
+            return self.native_drafter
+        return self.drafter
+
     def _speculate(self, spec, ids, prompt_hidden, x, caches, finisher, stats, steps) -> None:
-        drafter = self.drafter
+        drafter = self.drafter_for(spec.mode)
         state = drafter.new_state()
         # Pairs (H_0, t_1) .. (H_{n-1}, x): the prompt's MTP prefill and the
         # first draft's input, consumed by the first draft forward.

@@ -3,7 +3,10 @@
 Each speculative mode is a small drafting strategy with one interface:
 ``propose(drafter, state, depth) -> paths``: equal-length token lists (one
 path is a chain, several are verified together as a batch), or for chain
-mode a lazy ``[1, K]`` array the verify forward reads back with its targets.
+mode with the MLX drafter a lazy ``[1, K]`` array the verify forward reads
+back with its targets. Chain and adaptive drafts may come from the C++
+drafter (`mtp_engine.cpu_drafter.NativeDrafter`), which has the same calls
+for those two modes.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mtp_engine.cpu_drafter import NativeDrafter
 from mtp_engine.drafter import MTPDrafter, MTPDraftState
 
 MODES = ("baseline", "chain", "adaptive", "tree", "adaptive_tree", "paths")
@@ -70,7 +74,7 @@ class DecodeConfig:
         return {"draft_tokens": self.draft_tokens, "paths": self.max_paths, "tau": tau}
 
     def propose(
-        self, drafter: MTPDrafter, state: MTPDraftState, depth: int
+        self, drafter: MTPDrafter | NativeDrafter, state: MTPDraftState, depth: int
     ) -> list[list[int]] | mx.array:
         """Draft for one verify step, at most ``depth`` tokens deep (>= 1)."""
         k = min(self.draft_tokens, depth)

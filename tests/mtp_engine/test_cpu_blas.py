@@ -34,10 +34,10 @@ def printed_by_preloaded(script: str) -> list[str]:
 
 
 def test_preloaded_shim_serves_mlx_matmuls_correctly():
-    # Row counts on both sides of the row-by-row limit (32), every transposition.
+    # Row counts on both sides of the few-row limit (32), every transposition.
     script = (
         "import mlx.core as mx, numpy as np\n"
-        "from mtp_engine.backend import cpu_blas, gemv_rows\n"
+        "from mtp_engine.backend import cpu_blas, few_rows\n"
         "rng = np.random.default_rng(0)\n"
         "err = 0.0\n"
         "for m in (1, 5, 32, 40):\n"
@@ -47,7 +47,7 @@ def test_preloaded_shim_serves_mlx_matmuls_correctly():
         "    A, B = mx.array(a), mx.array(b)\n"
         "    for got in (A @ B, A @ mx.array(b.T).T, mx.array(a.T).T @ B, mx.array(a.T).T @ mx.array(b.T).T):\n"
         "        err = max(err, float(np.abs(np.array(got) - want).max()))\n"
-        "print(cpu_blas()); print(gemv_rows()); print(err)\n"
+        "print(cpu_blas()); print(few_rows()); print(err)\n"
     )
     blas, rows, err = printed_by_preloaded(script)
     assert blas == OPENBLAS
@@ -56,12 +56,20 @@ def test_preloaded_shim_serves_mlx_matmuls_correctly():
 
 
 def test_rows_of_a_preloaded_matmul_round_as_one_row_matmuls():
+    # Every row count the few-row kernel tiles differently (1..8 rows a tile,
+    # then more tiles), depths with and without a tail past the vector width,
+    # widths with and without leftover columns, weights stored either way.
     script = (
         "import mlx.core as mx\n"
-        "x = mx.random.normal((5, 256), key=mx.random.key(0))\n"
-        "w = mx.random.normal((768, 256), key=mx.random.key(1))\n"
-        "many = x @ w.T\n"
-        "print(all(mx.array_equal(many[i : i + 1], x[i : i + 1] @ w.T).item() for i in range(5)))\n"
+        "ok = True\n"
+        "for m in (2, 3, 4, 5, 7, 8, 9, 13, 32):\n"
+        "    for k, n in ((256, 768), (37, 50), (4, 1), (128, 3)):\n"
+        "        x = mx.random.normal((m, k), key=mx.random.key(m))\n"
+        "        w = mx.random.normal((n, k), key=mx.random.key(k))\n"
+        "        wt = mx.contiguous(w.T)\n"
+        "        for many, one in ((x @ w.T, lambda r: r @ w.T), (x @ wt, lambda r: r @ wt)):\n"
+        "            ok &= all(mx.array_equal(many[i : i + 1], one(x[i : i + 1])).item() for i in range(m))\n"
+        "print(ok)\n"
     )
     assert printed_by_preloaded(script) == ["True"]
 

@@ -1,0 +1,199 @@
+"""The MTP head's chain drafts on the CPU, in C++.
+
+A draft step (the head's fc, one full-attention decoder layer with its MoE
+block, the final norm and the LM head, for one token) is about two hundred
+MLX primitives. On MLX's CPU backend each costs a fixed dispatch far above
+its arithmetic, so a step cost a fifth of a trunk forward and four of them
+most of what a chain of four drafts saves (README, Benchmarks).
+``_mtp_draft`` (``native/draft_head.cpp``, built into the environment by
+``make install``) runs the same arithmetic as plain loops over the same
+float32 weights, which the MLX model keeps (nothing is copied).
+
+Drafts only propose: the verify forward decides every emitted token, so the
+C++ arithmetic need not match MLX's bit for bit, only closely enough to
+draft the same tokens (tests compare its logits with the MLX head's).
+
+The engine uses it for chain and adaptive drafts when the model runs on the
+CPU in float32 (not quantized) and the head has the layout it knows; the
+tree modes keep the MLX drafter (they fork the head's cache). Set
+``MTP_NATIVE_DRAFT=0`` to always draft with MLX.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
+
+from mtp_engine.mtp_head import MTPHead
+
+_extension = None
+_loaded = False
+
+
+def extension():
+    """The ``_mtp_draft`` module, or None when it is not built or is
+    disabled (``MTP_NATIVE_DRAFT=0``)."""
+    global _extension, _loaded
+    if not _loaded:
+        _loaded = True
+        if os.environ.get("MTP_NATIVE_DRAFT", "1") != "0":
+            try:
+                import _mtp_draft
+            except ImportError:
+                _mtp_draft = None
+            _extension = _mtp_draft
+    return _extension
+
+
+def _weight(module: nn.Module) -> mx.array | None:
+    """A Linear / RMSNorm / Embedding weight the C++ head can read, or None
+    (quantized, biased, not float32)."""
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "bias" in module:
+        return None
+    w = module.weight
+    return w if w.dtype == mx.float32 else None
+
+
+def head_weights(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> tuple[dict, dict] | None:
+    """The C++ head's weights (by its names) and configuration, or None when
+    the head is not one it can run: quantized or non-float32 weights, biases,
+    a RoPE other than mlx-lm's plain one, a dense MLP instead of the MoE
+    block."""
+    named = {
+        "embed": embed,
+        "lm_head": lm_head,
+        "pre_fc_norm_embedding": head.pre_fc_norm_embedding,
+        "pre_fc_norm_hidden": head.pre_fc_norm_hidden,
+        "fc": head.fc,
+        "norm": head.norm,
+    }
+    first = head.layers[0]
+    attn = first.self_attn
+    if not isinstance(attn, Qwen3NextAttention) or type(attn.rope) is not nn.RoPE or attn.rope.traditional:
+        return None
+    if not all(isinstance(layer.mlp, Qwen3NextSparseMoeBlock) for layer in head.layers):
+        return None
+    weights = {}
+    for i, layer in enumerate(head.layers):
+        p = f"layers.{i}."
+        a = layer.self_attn
+        named.update({
+            p + "input_layernorm": layer.input_layernorm,
+            p + "post_attention_layernorm": layer.post_attention_layernorm,
+            p + "q_proj": a.q_proj,
+            p + "k_proj": a.k_proj,
+            p + "v_proj": a.v_proj,
+            p + "o_proj": a.o_proj,
+            p + "q_norm": a.q_norm,
+            p + "k_norm": a.k_norm,
+        })
+        mlp = layer.mlp
+        named.update({
+            p + "router": mlp.gate,
+            p + "shared.gate_proj": mlp.shared_expert.gate_proj,
+            p + "shared.up_proj": mlp.shared_expert.up_proj,
+            p + "shared.down_proj": mlp.shared_expert.down_proj,
+            p + "shared_gate": mlp.shared_expert_gate,
+        })
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            expert = getattr(mlp.switch_mlp, name)
+            if "bias" in expert or "scales" in expert or expert.weight.dtype != mx.float32:
+                return None
+            weights[p + "experts." + name] = expert.weight
+    for name, module in named.items():
+        w = _weight(module)
+        if w is None:
+            return None
+        weights[name] = w
+    rope = attn.rope
+    config = {
+        "dim": head.fc.weight.shape[0],
+        "layers": len(head.layers),
+        "heads": attn.num_attention_heads,
+        "kv_heads": attn.num_key_value_heads,
+        "head_dim": attn.head_dim,
+        "rope_dims": rope.dims,
+        "rope_base": float(rope.base),
+        "rope_scale": float(rope.scale),
+        "eps": float(first.input_layernorm.eps),
+        "vocab": weights["embed"].shape[0],
+        "experts": mlp.num_experts,
+        "top_k": mlp.top_k,
+        "expert_dim": weights["layers.0.experts.gate_proj"].shape[1],
+        "shared_dim": mlp.shared_expert.gate_proj.weight.shape[0],
+        "norm_topk": bool(mlp.norm_topk_prob),
+    }
+    return weights, config
+
+
+def native_head(head: MTPHead, embed: nn.Module, lm_head: nn.Module):
+    """A ``_mtp_draft.DraftHead`` over the head's own weights, or None when
+    the extension is missing or cannot run this head (see `head_weights`) or
+    the model is not on the CPU."""
+    ext = extension()
+    if ext is None or mx.default_device() != mx.cpu:
+        return None
+    found = head_weights(head, embed, lm_head)
+    if found is None:
+        return None
+    weights, values = found
+    weights = {k: mx.contiguous(w) for k, w in weights.items()}
+    mx.eval(list(weights.values()))
+    config = ext.HeadConfig()
+    for k, v in values.items():
+        setattr(config, k, v)
+    return ext.DraftHead(weights, config)
+
+
+@dataclass
+class NativeDraftState:
+    """One generation's C++ head session and the pairs it has not consumed."""
+
+    session: object
+    pending_hidden: mx.array | None = None
+    pending_tokens: list[int] = field(default_factory=list)
+    base: int = 0
+
+
+class NativeDrafter:
+    """Chain and adaptive drafts with the C++ head; the same calls as
+    `MTPDrafter` for those modes."""
+
+    def __init__(self, head):
+        self.head = head
+
+    def new_state(self) -> NativeDraftState:
+        return NativeDraftState(session=self.head.session())
+
+    def set_pending(self, state: NativeDraftState, hidden: mx.array, tokens: list[int]) -> None:
+        if hidden.shape[1] != len(tokens):
+            raise ValueError(f"{hidden.shape[1]} hiddens for {len(tokens)} tokens")
+        state.pending_hidden = hidden
+        state.pending_tokens = list(tokens)
+
+    def commit(self, state: NativeDraftState, hidden: mx.array, tokens: list[int]) -> None:
+        """Drop the drafted cache entries and queue the accepted pairs."""
+        state.session.rewind(state.base)
+        self.set_pending(state, hidden, tokens)
+
+    def _draft(self, state: NativeDraftState, k: int, tau: float) -> list[int]:
+        hidden, tokens = state.pending_hidden, state.pending_tokens
+        if hidden is None or not tokens:
+            raise RuntimeError("drafting needs pending pairs (set_pending/commit)")
+        drafts, _ = state.session.draft(hidden, tokens, k, tau)  # evaluates ``hidden``
+        state.base += len(tokens)
+        state.pending_hidden, state.pending_tokens = None, []
+        return drafts
+
+    def draft(self, state: NativeDraftState, k: int) -> list[list[int]]:
+        """K greedy draft tokens, as one path."""
+        return [self._draft(state, k, 0.0)]
+
+    def draft_adaptive(self, state: NativeDraftState, depth_max: int, tau: float) -> list[int]:
+        """Greedy chain that stops once the running product of top-1
+        probabilities falls below ``tau``; 1..depth_max tokens."""
+        return self._draft(state, depth_max, tau)

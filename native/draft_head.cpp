@@ -1,0 +1,422 @@
+// The MTP head's draft steps on the CPU, in plain C++ (module `_mtp_draft`).
+//
+// A draft step runs one full-attention decoder layer, an fc, three norms and
+// the LM head for a single token. As an MLX graph that is about two hundred
+// primitives, and on MLX's CPU backend each primitive costs a fixed dispatch
+// far above its arithmetic: a draft step cost a fifth of a trunk forward,
+// and a chain of K drafts most of what speculation saves. Here a step is a
+// few dozen small loops over the same float32 weights (shared with the MLX
+// model, not copied).
+//
+// Drafts only propose tokens: the trunk's verify forward decides what is
+// emitted, so this arithmetic needs to match mlx-lm's closely (for the
+// acceptance rate), not bit for bit. The tests compare its logits with the
+// MLX head's and check that decoding stays identical to plain decoding.
+//
+// What it computes, for rows r at positions p (the head's KV cache offset):
+//   x = fc([rms(embed(t_r)) * w_e, rms(h_r) * w_h])
+//   per layer: x += o_proj(attn(rms(x) * w_in) * sigmoid(gate))
+//              x += moe(rms(x) * w_post)
+//   m = rms(x) * w_norm;  logits = lm_head(m)
+// with Qwen3-Next's gated attention (q_proj gives query and gate per head,
+// RMS-normed queries and keys, partial non-traditional RoPE, grouped KV
+// heads, causal over the cache) and MoE (softmax router, top-k, optional
+// renormalization, SwiGLU experts, sigmoid-gated shared expert).
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unordered_map.h>
+#include <nanobind/stl/vector.h>
+
+#include "mlx/array.h"
+#include "mlx/ops.h"
+#include "mlx/transforms.h"
+
+extern "C" {
+#include "few_rows.h"
+}
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace mtp {
+
+namespace mx = mlx::core;
+
+struct HeadConfig {
+  int dim, layers, heads, kv_heads, head_dim, rope_dims, vocab;
+  int experts, top_k, expert_dim, shared_dim;
+  float rope_base, rope_scale, eps;
+  bool norm_topk;
+};
+
+// y[rows][out] = x[rows][in] W^T, W row-major [out][in] (a Linear weight).
+static void linear(const float* w, int out, int in, const float* x, int rows, float* y) {
+  mtp_few_rows_sgemm(111, 112, rows, out, in, 1.0f, x, in, w, in, 0.0f, y, out);
+}
+
+static void rms_norm(const float* x, const float* w, float eps, int n, float* out) {
+  float ss = 0.0f;
+  for (int i = 0; i < n; i++) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+  for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+static inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+static inline float silu(float x) { return x * sigmoid(x); }
+
+class DraftHead;
+
+// One generation's KV caches (layout [position][kv head][head dim]).
+class DraftSession {
+ public:
+  explicit DraftSession(const DraftHead& head);
+
+  // Drop entries from position `offset` on.
+  void rewind(int offset) {
+    if (offset < 0 || offset > offset_) {
+      throw std::invalid_argument("rewind to " + std::to_string(offset) + " of " + std::to_string(offset_) +
+                                  " cache entries");
+    }
+    offset_ = offset;
+  }
+
+  int offset() const { return offset_; }
+
+  // Run rows (hidden[r], token[r]) at the next positions; write the head's
+  // normed hidden of the last row to `m` and its logits to `logits`.
+  void forward(const float* hidden, const std::vector<int>& tokens, float* m, float* logits);
+
+  // Consume the pending pairs, then draft greedily: up to `k` tokens, stopping
+  // early once the running product of top-1 probabilities is below `tau`
+  // (tau 0: always k). Returns the drafts and each one's probability.
+  std::tuple<std::vector<int>, std::vector<float>> draft(const mx::array& hidden, const std::vector<int>& tokens,
+                                                         int k, float tau);
+
+  // One forward over pairs (hidden[r], tokens[r]): the last row's normed
+  // hidden and logits (for tests and diagnostics).
+  std::tuple<std::vector<float>, std::vector<float>> logits(const mx::array& hidden, const std::vector<int>& tokens);
+
+ private:
+  // `hidden` as an evaluated, row-contiguous float32 array of n x dim values.
+  mx::array rows_of(const mx::array& hidden, size_t n) const;
+  void reserve(int positions);
+
+  const DraftHead& head_;
+  int offset_ = 0;
+  int capacity_ = 0;
+  std::vector<std::vector<float>> keys_, values_;
+};
+
+class DraftHead {
+ public:
+  DraftHead(std::unordered_map<std::string, mx::array> weights, const HeadConfig& config)
+      : config_(config), weights_(std::move(weights)) {
+    const HeadConfig& c = config_;
+    if (c.heads % c.kv_heads != 0 || c.rope_dims % 2 != 0 || c.rope_dims > c.head_dim || c.head_dim > 512) {
+      throw std::invalid_argument("bad attention shape");
+    }
+    if (c.experts < 1 || c.top_k < 1 || c.top_k > c.experts) throw std::invalid_argument("bad expert counts");
+    embed = take("embed", {c.vocab, c.dim});
+    lm_head = take("lm_head", {c.vocab, c.dim});
+    norm_e = take("pre_fc_norm_embedding", {c.dim});
+    norm_h = take("pre_fc_norm_hidden", {c.dim});
+    fc = take("fc", {c.dim, 2 * c.dim});
+    norm = take("norm", {c.dim});
+    const int q_out = c.heads * c.head_dim, kv_out = c.kv_heads * c.head_dim;
+    for (int i = 0; i < c.layers; i++) {
+      const std::string p = "layers." + std::to_string(i) + ".";
+      Layer l;
+      l.in_norm = take(p + "input_layernorm", {c.dim});
+      l.post_norm = take(p + "post_attention_layernorm", {c.dim});
+      l.q = take(p + "q_proj", {2 * q_out, c.dim});
+      l.k = take(p + "k_proj", {kv_out, c.dim});
+      l.v = take(p + "v_proj", {kv_out, c.dim});
+      l.o = take(p + "o_proj", {c.dim, q_out});
+      l.q_norm = take(p + "q_norm", {c.head_dim});
+      l.k_norm = take(p + "k_norm", {c.head_dim});
+      l.router = take(p + "router", {c.experts, c.dim});
+      l.e_gate = take(p + "experts.gate_proj", {c.experts, c.expert_dim, c.dim});
+      l.e_up = take(p + "experts.up_proj", {c.experts, c.expert_dim, c.dim});
+      l.e_down = take(p + "experts.down_proj", {c.experts, c.dim, c.expert_dim});
+      l.s_gate = take(p + "shared.gate_proj", {c.shared_dim, c.dim});
+      l.s_up = take(p + "shared.up_proj", {c.shared_dim, c.dim});
+      l.s_down = take(p + "shared.down_proj", {c.dim, c.shared_dim});
+      l.s_weight = take(p + "shared_gate", {1, c.dim});
+      layers.push_back(l);
+    }
+    inv_freq.resize(c.rope_dims / 2);
+    for (int i = 0; i < c.rope_dims / 2; i++) {
+      inv_freq[i] = static_cast<float>(std::pow(static_cast<double>(c.rope_base), -2.0 * i / c.rope_dims));
+    }
+  }
+
+  DraftSession session() const { return DraftSession(*this); }
+  const HeadConfig& config() const { return config_; }
+
+  struct Layer {
+    const float *in_norm, *post_norm, *q, *k, *v, *o, *q_norm, *k_norm;
+    const float *router, *e_gate, *e_up, *e_down;  // MoE: router and experts
+    const float *s_gate, *s_up, *s_down, *s_weight;  // shared expert and its gate
+  };
+  const float *embed, *lm_head, *norm_e, *norm_h, *fc, *norm;
+  std::vector<Layer> layers;
+  std::vector<float> inv_freq;
+
+ private:
+  const float* take(const std::string& name, std::vector<int> shape) {
+    auto it = weights_.find(name);
+    if (it == weights_.end()) throw std::invalid_argument("missing weight " + name);
+    const mx::array& a = it->second;
+    if (a.dtype() != mx::float32) throw std::invalid_argument(name + " is not float32");
+    if (!a.flags().row_contiguous) throw std::invalid_argument(name + " is not row-contiguous");
+    if (std::vector<int>(a.shape().begin(), a.shape().end()) != shape) {
+      throw std::invalid_argument(name + " has an unexpected shape");
+    }
+    if (!a.is_available() || a.data<float>() == nullptr) {
+      throw std::invalid_argument(name + " is not evaluated");
+    }
+    return a.data<float>();
+  }
+
+  HeadConfig config_;
+  std::unordered_map<std::string, mx::array> weights_;  // keeps the buffers alive
+};
+
+DraftSession::DraftSession(const DraftHead& head)
+    : head_(head), keys_(head.config().layers), values_(head.config().layers) {}
+
+void DraftSession::reserve(int positions) {
+  if (positions <= capacity_) return;
+  capacity_ = std::max(positions, std::max(256, 2 * capacity_));
+  const HeadConfig& c = head_.config();
+  for (int l = 0; l < c.layers; l++) {
+    keys_[l].resize(static_cast<size_t>(capacity_) * c.kv_heads * c.head_dim);
+    values_[l].resize(static_cast<size_t>(capacity_) * c.kv_heads * c.head_dim);
+  }
+}
+
+static void rope(float* x, int dims, const std::vector<float>& inv_freq, float position) {
+  const int half = dims / 2;
+  for (int i = 0; i < half; i++) {
+    const float angle = position * inv_freq[i];
+    const float cos_a = std::cos(angle), sin_a = std::sin(angle);
+    const float a = x[i], b = x[i + half];
+    x[i] = a * cos_a - b * sin_a;
+    x[i + half] = a * sin_a + b * cos_a;
+  }
+}
+
+void DraftSession::forward(const float* hidden, const std::vector<int>& tokens, float* m, float* logits) {
+  const HeadConfig& c = head_.config();
+  const int rows = static_cast<int>(tokens.size());
+  const int dim = c.dim, hd = c.head_dim, q_out = c.heads * hd, kv_out = c.kv_heads * hd;
+  const int start = offset_;
+  reserve(start + rows);
+
+  std::vector<float> both(static_cast<size_t>(rows) * 2 * dim), x(static_cast<size_t>(rows) * dim);
+  for (int r = 0; r < rows; r++) {
+    const int t = tokens[r];
+    if (t < 0 || t >= c.vocab) throw std::invalid_argument("token " + std::to_string(t) + " outside the vocabulary");
+    rms_norm(head_.embed + static_cast<size_t>(t) * dim, head_.norm_e, c.eps, dim, &both[(size_t)r * 2 * dim]);
+    rms_norm(hidden + static_cast<size_t>(r) * dim, head_.norm_h, c.eps, dim, &both[(size_t)r * 2 * dim + dim]);
+  }
+  linear(head_.fc, dim, 2 * dim, both.data(), rows, x.data());
+
+  std::vector<float> a(static_cast<size_t>(rows) * dim), qg(static_cast<size_t>(rows) * 2 * q_out),
+      k(static_cast<size_t>(rows) * kv_out), v(static_cast<size_t>(rows) * kv_out),
+      attn(static_cast<size_t>(rows) * q_out), o(static_cast<size_t>(rows) * dim), scores(start + rows);
+  const int group = c.heads / c.kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+
+  for (int li = 0; li < c.layers; li++) {
+    const DraftHead::Layer& L = head_.layers[li];
+    for (int r = 0; r < rows; r++) rms_norm(&x[(size_t)r * dim], L.in_norm, c.eps, dim, &a[(size_t)r * dim]);
+    linear(L.q, 2 * q_out, dim, a.data(), rows, qg.data());
+    linear(L.k, kv_out, dim, a.data(), rows, k.data());
+    linear(L.v, kv_out, dim, a.data(), rows, v.data());
+    float* K = keys_[li].data();
+    float* V = values_[li].data();
+    for (int r = 0; r < rows; r++) {
+      const float pos = static_cast<float>(start + r) * c.rope_scale;
+      for (int h = 0; h < c.kv_heads; h++) {
+        float* kh = &K[((size_t)(start + r) * c.kv_heads + h) * hd];
+        rms_norm(&k[(size_t)r * kv_out + h * hd], L.k_norm, c.eps, hd, kh);
+        rope(kh, c.rope_dims, head_.inv_freq, pos);
+        std::memcpy(&V[((size_t)(start + r) * c.kv_heads + h) * hd], &v[(size_t)r * kv_out + h * hd],
+                    sizeof(float) * hd);
+      }
+    }
+    for (int r = 0; r < rows; r++) {
+      const int visible = start + r + 1;  // causal: positions 0..start+r
+      const float pos = static_cast<float>(start + r) * c.rope_scale;
+      for (int h = 0; h < c.heads; h++) {
+        float q[512];  // head_dim <= 512 (checked at construction)
+        // q_proj's output per head is [query (hd), gate (hd)].
+        rms_norm(&qg[(size_t)r * 2 * q_out + (size_t)h * 2 * hd], L.q_norm, c.eps, hd, q);
+        rope(q, c.rope_dims, head_.inv_freq, pos);
+        const int kvh = h / group;
+        float top = -INFINITY;
+        for (int j = 0; j < visible; j++) {
+          const float* kj = &K[((size_t)j * c.kv_heads + kvh) * hd];
+          float s = 0.0f;
+          for (int d = 0; d < hd; d++) s += q[d] * kj[d];
+          scores[j] = s * scale;
+          top = std::max(top, scores[j]);
+        }
+        float total = 0.0f;
+        for (int j = 0; j < visible; j++) total += (scores[j] = std::exp(scores[j] - top));
+        float* out = &attn[(size_t)r * q_out + (size_t)h * hd];
+        std::fill(out, out + hd, 0.0f);
+        for (int j = 0; j < visible; j++) {
+          const float p = scores[j] / total;
+          const float* vj = &V[((size_t)j * c.kv_heads + kvh) * hd];
+          for (int d = 0; d < hd; d++) out[d] += p * vj[d];
+        }
+        const float* gate = &qg[(size_t)r * 2 * q_out + (size_t)h * 2 * hd + hd];
+        for (int d = 0; d < hd; d++) out[d] *= sigmoid(gate[d]);
+      }
+    }
+    linear(L.o, dim, q_out, attn.data(), rows, o.data());
+    for (size_t i = 0; i < x.size(); i++) x[i] += o[i];
+
+    for (int r = 0; r < rows; r++) rms_norm(&x[(size_t)r * dim], L.post_norm, c.eps, dim, &a[(size_t)r * dim]);
+    const int sd = c.shared_dim;
+    std::vector<float> g(sd), u(sd), y(dim);
+    for (int r = 0; r < rows; r++) {
+      const float* ar = &a[(size_t)r * dim];
+      float* xr = &x[(size_t)r * dim];
+      linear(L.s_gate, sd, dim, ar, 1, g.data());
+      linear(L.s_up, sd, dim, ar, 1, u.data());
+      for (int i = 0; i < sd; i++) g[i] = silu(g[i]) * u[i];
+      linear(L.s_down, dim, sd, g.data(), 1, y.data());
+      float s = 0.0f;
+      for (int i = 0; i < dim; i++) s += L.s_weight[i] * ar[i];
+      const float shared = sigmoid(s);
+      for (int i = 0; i < dim; i++) xr[i] += shared * y[i];
+      // Router: softmax over experts, the top_k largest, optionally renormalized.
+      std::vector<float> probs(c.experts);
+      linear(L.router, c.experts, dim, ar, 1, probs.data());
+      const float top = *std::max_element(probs.begin(), probs.end());
+      float total = 0.0f;
+      for (float& p : probs) total += (p = std::exp(p - top));
+      for (float& p : probs) p /= total;
+      std::vector<int> order(c.experts);
+      for (int e = 0; e < c.experts; e++) order[e] = e;
+      std::partial_sort(order.begin(), order.begin() + c.top_k, order.end(),
+                        [&](int i, int j) { return probs[i] > probs[j]; });
+      float chosen = 0.0f;
+      for (int i = 0; i < c.top_k; i++) chosen += probs[order[i]];
+      std::vector<float> eg(c.expert_dim), eu(c.expert_dim);
+      for (int i = 0; i < c.top_k; i++) {
+        const int e = order[i];
+        const float weight = c.norm_topk ? probs[e] / chosen : probs[e];
+        const size_t up = static_cast<size_t>(e) * c.expert_dim * dim;
+        linear(L.e_gate + up, c.expert_dim, dim, ar, 1, eg.data());
+        linear(L.e_up + up, c.expert_dim, dim, ar, 1, eu.data());
+        for (int j = 0; j < c.expert_dim; j++) eg[j] = silu(eg[j]) * eu[j];
+        linear(L.e_down + static_cast<size_t>(e) * dim * c.expert_dim, dim, c.expert_dim, eg.data(), 1, y.data());
+        for (int j = 0; j < dim; j++) xr[j] += weight * y[j];
+      }
+    }
+  }
+  offset_ = start + rows;
+  rms_norm(&x[(size_t)(rows - 1) * dim], head_.norm, c.eps, dim, m);
+  linear(head_.lm_head, c.vocab, dim, m, 1, logits);
+}
+
+static std::tuple<int, float> top1(const std::vector<float>& logits) {
+  const int best = static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  float total = 0.0f;
+  for (float l : logits) total += std::exp(l - logits[best]);
+  return {best, 1.0f / total};
+}
+
+std::tuple<std::vector<int>, std::vector<float>> DraftSession::draft(const mx::array& hidden,
+                                                                     const std::vector<int>& tokens, int k,
+                                                                     float tau) {
+  const HeadConfig& c = head_.config();
+  if (k < 1) throw std::invalid_argument("k must be >= 1, got " + std::to_string(k));
+  const mx::array rows = rows_of(hidden, tokens.size());
+  std::vector<float> m(c.dim), next(c.dim), logits(c.vocab);
+  std::vector<int> drafts;
+  std::vector<float> probs;
+  nb::gil_scoped_release release;
+  forward(rows.data<float>(), tokens, m.data(), logits.data());
+  float confidence = 1.0f;
+  while (true) {
+    auto [token, p] = top1(logits);
+    drafts.push_back(token);
+    probs.push_back(p);
+    confidence *= p;
+    if (static_cast<int>(drafts.size()) >= k || confidence < tau) break;
+    forward(m.data(), {token}, next.data(), logits.data());
+    std::swap(m, next);
+  }
+  return {drafts, probs};
+}
+
+mx::array DraftSession::rows_of(const mx::array& hidden, size_t n) const {
+  const size_t dim = head_.config().dim;
+  if (n < 1) throw std::invalid_argument("no pairs to consume");
+  if (hidden.size() != n * dim || hidden.shape().back() != static_cast<int>(dim)) {
+    throw std::invalid_argument("hidden must hold one row of " + std::to_string(dim) + " values per pair (" +
+                                std::to_string(n) + " pairs), got " + std::to_string(hidden.size()) + " values");
+  }
+  mx::array rows = hidden.dtype() == mx::float32 ? hidden : mx::astype(hidden, mx::float32);
+  if (!rows.is_available() || !rows.flags().row_contiguous) {
+    rows = mx::contiguous(rows);
+    mx::eval({rows});
+  }
+  return rows;
+}
+
+std::tuple<std::vector<float>, std::vector<float>> DraftSession::logits(const mx::array& hidden,
+                                                                        const std::vector<int>& tokens) {
+  const HeadConfig& c = head_.config();
+  const mx::array rows = rows_of(hidden, tokens.size());
+  std::vector<float> m(c.dim), logits(c.vocab);
+  forward(rows.data<float>(), tokens, m.data(), logits.data());
+  return {m, logits};
+}
+
+}  // namespace mtp
+
+NB_MODULE(_mtp_draft, m) {
+  m.doc() = "The MTP head's draft steps on the CPU in plain C++";
+  nb::class_<mtp::HeadConfig>(m, "HeadConfig")
+      .def(nb::init<>())
+      .def_rw("dim", &mtp::HeadConfig::dim)
+      .def_rw("layers", &mtp::HeadConfig::layers)
+      .def_rw("heads", &mtp::HeadConfig::heads)
+      .def_rw("kv_heads", &mtp::HeadConfig::kv_heads)
+      .def_rw("head_dim", &mtp::HeadConfig::head_dim)
+      .def_rw("rope_dims", &mtp::HeadConfig::rope_dims)
+      .def_rw("vocab", &mtp::HeadConfig::vocab)
+      .def_rw("experts", &mtp::HeadConfig::experts)
+      .def_rw("top_k", &mtp::HeadConfig::top_k)
+      .def_rw("expert_dim", &mtp::HeadConfig::expert_dim)
+      .def_rw("shared_dim", &mtp::HeadConfig::shared_dim)
+      .def_rw("rope_base", &mtp::HeadConfig::rope_base)
+      .def_rw("rope_scale", &mtp::HeadConfig::rope_scale)
+      .def_rw("eps", &mtp::HeadConfig::eps)
+      .def_rw("norm_topk", &mtp::HeadConfig::norm_topk);
+  nb::class_<mtp::DraftSession>(m, "DraftSession")
+      .def_prop_ro("offset", &mtp::DraftSession::offset)
+      .def("rewind", &mtp::DraftSession::rewind, "offset"_a)
+      .def("draft", &mtp::DraftSession::draft, "hidden"_a, "tokens"_a, "k"_a, "tau"_a = 0.0f)
+      .def("logits", &mtp::DraftSession::logits, "hidden"_a, "tokens"_a);
+  nb::class_<mtp::DraftHead>(m, "DraftHead")
+      .def(nb::init<std::unordered_map<std::string, mlx::core::array>, const mtp::HeadConfig&>(), "weights"_a,
+           "config"_a)
+      .def("session", &mtp::DraftHead::session, nb::keep_alive<0, 1>());
+}

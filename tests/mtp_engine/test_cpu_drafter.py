@@ -1,0 +1,168 @@
+"""The MTP head's draft steps in C++ (`native/draft_head.cpp`,
+`mtp_engine.cpu_drafter`): the same logits as the MLX head (to float32
+rounding), the same drafts, decoding still equal to plain decoding, its cache
+bookkeeping, bad input named, and heads it cannot run left to MLX."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from mtp_engine import MTPEngine, cpu_drafter
+from mtp_engine.mtp_head import build_models
+from mtp_engine.recurrent import make_main_cache
+from mtp_engine.tiny_checkpoint import tiny_config
+
+pytestmark = pytest.mark.skipif(
+    mx.default_device() != mx.cpu or cpu_drafter.extension() is None,
+    reason="needs MLX's CPU backend and the _mtp_draft extension (make install builds it)",
+)
+
+CONFIGS = {
+    "default": tiny_config(),
+    "two_mtp_layers": tiny_config(mtp_num_hidden_layers=2),
+    "tied_one_kv_head": tiny_config(tie_word_embeddings=True, num_key_value_heads=1),
+    "wide_heads_top1": tiny_config(head_dim=32, num_experts_per_tok=1, norm_topk_prob=False,
+                                   partial_rotary_factor=0.5),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint_factory):
+    return {name: MTPEngine.load(checkpoint_factory(f"drafter-{name}", cfg, seed=3))
+            for name, cfg in CONFIGS.items()}
+
+
+def prompt_hidden(engine, text):
+    ids = engine.encode(text)
+    hidden = engine.model.model(mx.array(ids)[None], cache=make_main_cache(engine.model))
+    mx.eval(hidden)
+    return ids, hidden
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_equal_the_mlx_heads_to_float_rounding(engines, name):
+    engine = engines[name]
+    assert engine.native_drafter is not None, "the engine should draft in C++ on the CPU"
+    ids, hidden = prompt_hidden(engine, "def add(a, b):\n    return a + b\n")
+    pairs = ids[1:] + [5]
+    mlx_drafter = engine.drafter
+    state = mlx_drafter.new_state()
+    mlx_drafter.set_pending(state, hidden, pairs)
+    want, m = mlx_drafter.first_step(state)
+    session = engine.native_drafter.head.session()
+    m_native, got = session.logits(hidden[0], pairs)
+    assert mx.allclose(mx.array(got), want, rtol=1e-4, atol=1e-4).item()
+    assert mx.allclose(mx.array(m_native), m.reshape(-1), rtol=1e-4, atol=1e-4).item()
+    # Two more steps from the head's own hidden, at the next positions.
+    token = int(mx.argmax(want))
+    for _ in range(2):
+        want, m = mlx_drafter.step(state, m, token)
+        m_in = mx.array(m_native)[None]
+        m_native, got = session.logits(m_in, [token])
+        assert mx.allclose(mx.array(got), want, rtol=1e-4, atol=1e-4).item()
+        token = int(mx.argmax(want))
+    assert session.offset == state.offset
+
+
+@pytest.mark.parametrize("name", ["default", "two_mtp_layers"])
+def test_chain_and_adaptive_drafts_equal_the_mlx_drafters(engines, name):
+    engine = engines[name]
+    native = engine.native_drafter
+    for text in ("class Point:", "for i in range(10):", "Hello"):
+        ids, hidden = prompt_hidden(engine, text)
+        pairs = ids[1:] + [7]
+        s_mlx, s_nat = engine.drafter.new_state(), native.new_state()
+        engine.drafter.set_pending(s_mlx, hidden, pairs)
+        native.set_pending(s_nat, hidden, pairs)
+        assert native.draft(s_nat, 5) == engine.drafter.draft(s_mlx, 5).tolist()
+        for tau in (0.9, 0.3, 0.01):
+            s_mlx, s_nat = engine.drafter.new_state(), native.new_state()
+            engine.drafter.set_pending(s_mlx, hidden, pairs)
+            native.set_pending(s_nat, hidden, pairs)
+            assert native.draft_adaptive(s_nat, 6, tau) == engine.drafter.draft_adaptive(s_mlx, 6, tau)
+
+
+@pytest.mark.parametrize("mode, k", [("chain", 3), ("chain", 4), ("adaptive", 5)])
+def test_decoding_with_cpp_drafts_equals_plain_decoding(tiny_path, mode, k):
+    engine = MTPEngine.load(tiny_path)
+    assert engine.drafter_for(mode) is engine.native_drafter
+    for prompt in ("def add(a, b):", "import os\nimport sys", "x"):
+        plain = engine.generate(prompt, max_tokens=40, mode="baseline")
+        fast = engine.generate(prompt, max_tokens=40, mode=mode, draft_tokens=k)
+        assert fast.tokens == plain.tokens
+        engine.native_drafter, kept = None, engine.native_drafter
+        try:
+            slow = engine.generate(prompt, max_tokens=40, mode=mode, draft_tokens=k)
+        finally:
+            engine.native_drafter = kept
+        # Same drafts, so the same verify steps and acceptance.
+        assert (fast.stats.steps, fast.stats.accepted) == (slow.stats.steps, slow.stats.accepted)
+        assert fast.stats.accepted > 0
+
+
+def test_tree_modes_keep_the_mlx_drafter(tiny_engine):
+    for mode in ("tree", "adaptive_tree", "paths"):
+        assert tiny_engine.drafter_for(mode) is tiny_engine.drafter
+
+
+def test_commit_rewinds_the_drafted_entries(tiny_engine):
+    native = tiny_engine.native_drafter
+    ids, hidden = prompt_hidden(tiny_engine, "Hello, world!")
+    state = native.new_state()
+    native.set_pending(state, hidden, ids[1:] + [3])
+    drafts = native.draft(state, 4)[0]
+    n = len(ids)
+    assert len(drafts) == 4
+    assert state.base == n and state.session.offset == n + 3  # the last draft is not consumed
+    native.commit(state, hidden[:, :2], [drafts[0], 9])
+    assert state.session.offset == n
+    native.draft(state, 2)
+    assert state.base == n + 2 and state.session.offset == n + 3
+    with pytest.raises(ValueError, match="rewind to 99"):
+        state.session.rewind(99)
+
+
+def test_bad_input_is_named(tiny_engine):
+    session = tiny_engine.native_drafter.head.session()
+    dim = tiny_engine.model.args.hidden_size
+    vocab = tiny_engine.model.args.vocab_size
+    h = mx.zeros((1, dim))
+    with pytest.raises(ValueError, match=f"token {vocab} outside the vocabulary"):
+        session.draft(h, [vocab], 2)
+    with pytest.raises(ValueError, match=r"hidden must hold one row of \d+ values per pair \(1 pairs\), got"):
+        session.draft(mx.zeros((2, dim)), [1], 2)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        session.draft(h, [1], 0)
+    assert session.offset == 0  # nothing was written
+
+
+def test_heads_it_cannot_run_are_left_to_mlx(tiny_engine):
+    head = tiny_engine.checkpoint.head
+    embed = tiny_engine.model.model.embed_tokens
+    lm_head = tiny_engine.model.lm_head
+    assert cpu_drafter.head_weights(head, embed, lm_head) is not None
+    # A bfloat16 head, a quantized one.
+    _, other = build_models(tiny_engine.config)
+    other.set_dtype(mx.bfloat16)
+    assert cpu_drafter.head_weights(other, embed, lm_head) is None
+    _, other = build_models(tiny_engine.config)
+    nn.quantize(other, group_size=32, bits=4)
+    assert cpu_drafter.head_weights(other, embed, lm_head) is None
+
+
+def test_switched_off_by_environment(tiny_path):
+    script = (
+        "from mtp_engine import MTPEngine\n"
+        f"e = MTPEngine.load({str(tiny_path)!r})\n"
+        "print(e.native_drafter is None, e.drafter_for('chain') is e.drafter)\n"
+    )
+    env = {**os.environ, "MTP_NATIVE_DRAFT": "0"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]
