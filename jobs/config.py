@@ -64,7 +64,7 @@ class JobConfig:
     model: str
     output: str
     mode: str = "auto"
-    draft_tokens: int = 3
+    draft_tokens: int = 4
     paths: int = 2
     tau: float = 0.5
     max_tokens: int = 256

@@ -268,8 +268,9 @@ class OutputFolder:
                     raise FingerprintMismatch(
                         f"{self.path} holds results of a different job configuration:\n  "
                         + "\n  ".join(changes or ["(fingerprint differs)"])
-                        + "\nRerun with --overwrite to delete those results and start over, "
-                        "or write to another --output."
+                        + "\nTo resume it, rerun with the settings it was written with (the values "
+                        "left of each arrow); or rerun with --overwrite to delete those results "
+                        "and start over, or write to another --output."
                     )
                 self._delete_results()
             elif overwrite:

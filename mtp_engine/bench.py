@@ -41,6 +41,7 @@ MODE_SPECS = {
     "chain-k2": dict(mode="chain", draft_tokens=2),
     "chain-k3": dict(mode="chain", draft_tokens=3),
     "chain-k4": dict(mode="chain", draft_tokens=4),
+    "chain-k6": dict(mode="chain", draft_tokens=6),
     "adaptive-k5": dict(mode="adaptive", draft_tokens=5, tau=0.5),
     "tree-k3": dict(mode="tree", draft_tokens=3),
     "adaptive_tree-k5": dict(mode="adaptive_tree", draft_tokens=5, tau=0.5),

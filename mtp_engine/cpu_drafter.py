@@ -180,20 +180,28 @@ class NativeDrafter:
         state.session.rewind(state.base)
         self.set_pending(state, hidden, tokens)
 
-    def _draft(self, state: NativeDraftState, k: int, tau: float) -> list[int]:
+    def _pending(self, state: NativeDraftState) -> tuple[mx.array, list[int]]:
+        """Take the pending pairs (they are consumed by the next draft)."""
         hidden, tokens = state.pending_hidden, state.pending_tokens
         if hidden is None or not tokens:
             raise RuntimeError("drafting needs pending pairs (set_pending/commit)")
-        drafts, _ = state.session.draft(hidden, tokens, k, tau)  # evaluates ``hidden``
         state.base += len(tokens)
         state.pending_hidden, state.pending_tokens = None, []
-        return drafts
+        return hidden, tokens
 
-    def draft(self, state: NativeDraftState, k: int) -> list[list[int]]:
-        """K greedy draft tokens, as one path."""
-        return [self._draft(state, k, 0.0)]
+    def draft(self, state: NativeDraftState, k: int) -> mx.array:
+        """K greedy draft tokens, ``[1, k]`` int32, not read back: like the
+        MLX drafter's chains, the array is evaluated on MLX's CPU stream
+        (the C++ head runs there) while the host builds the verify forward
+        on top of it, and its tokens come back with the verify's targets."""
+        hidden, tokens = self._pending(state)
+        drafts = state.session.draft_lazy(hidden, tokens, k)
+        mx.async_eval(drafts)
+        return drafts
 
     def draft_adaptive(self, state: NativeDraftState, depth_max: int, tau: float) -> list[int]:
         """Greedy chain that stops once the running product of top-1
         probabilities falls below ``tau``; 1..depth_max tokens."""
-        return self._draft(state, depth_max, tau)
+        hidden, tokens = self._pending(state)
+        drafts, _ = state.session.draft(hidden, tokens, depth_max, tau)  # evaluates ``hidden``
+        return drafts

@@ -186,7 +186,7 @@ class MTPEngine:
         *,
         max_tokens: int = 256,
         mode: str = "chain",
-        draft_tokens: int = 3,
+        draft_tokens: int = 4,
         tau: float = 0.5,
         paths: int = 2,
         stop: str | list[str] | None = None,

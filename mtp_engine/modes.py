@@ -35,7 +35,7 @@ class DecodeConfig:
     """
 
     mode: str = "chain"
-    draft_tokens: int = 3
+    draft_tokens: int = 4
     tau: float = 0.5
     paths: int = 2
     tree_pos2: bool = True

@@ -37,8 +37,11 @@
 #include <nanobind/stl/unordered_map.h>
 #include <nanobind/stl/vector.h>
 
+#include "mlx/allocator.h"
 #include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
+#include "mlx/primitives.h"
 #include "mlx/transforms.h"
 
 extern "C" {
@@ -76,6 +79,13 @@ static inline float silu(float x) { return x * sigmoid(x); }
 
 class DraftHead;
 
+// One decoder layer's weights (pointers into the MLX model's buffers).
+struct HeadLayer {
+  const float *in_norm, *post_norm, *q, *k, *v, *o, *q_norm, *k_norm;
+  const float *router, *e_gate, *e_up, *e_down;  // MoE: router and experts
+  const float *s_gate, *s_up, *s_down, *s_weight;  // shared expert and its gate
+};
+
 // One generation's KV caches (layout [position][kv head][head dim]).
 class DraftSession {
  public:
@@ -102,6 +112,16 @@ class DraftSession {
   std::tuple<std::vector<int>, std::vector<float>> draft(const mx::array& hidden, const std::vector<int>& tokens,
                                                          int k, float tau);
 
+  // The same greedy chain of k drafts (no early stop) as a lazy [1, k] int32
+  // MLX array: it runs on MLX's CPU stream when evaluated, so the host can
+  // build the verify forward on top of it meanwhile. The session must stay
+  // alive, and be left alone, until the array is evaluated.
+  mx::array draft_lazy(const mx::array& hidden, const std::vector<int>& tokens, int k);
+
+  // Consume the pairs and draft k tokens greedily into `out` (the work of
+  // draft() without its checks).
+  void chain(const float* hidden, const std::vector<int>& tokens, int k, int* out);
+
   // One forward over pairs (hidden[r], tokens[r]): the last row's normed
   // hidden and logits (for tests and diagnostics).
   std::tuple<std::vector<float>, std::vector<float>> logits(const mx::array& hidden, const std::vector<int>& tokens);
@@ -110,6 +130,8 @@ class DraftSession {
   // `hidden` as an evaluated, row-contiguous float32 array of n x dim values.
   mx::array rows_of(const mx::array& hidden, size_t n) const;
   void reserve(int positions);
+  // x[rows] += the MoE block of a[rows] (normed inputs).
+  void moe(const HeadLayer& L, const float* a, int rows, float* x) const;
 
   const DraftHead& head_;
   int offset_ = 0;
@@ -135,7 +157,7 @@ class DraftHead {
     const int q_out = c.heads * c.head_dim, kv_out = c.kv_heads * c.head_dim;
     for (int i = 0; i < c.layers; i++) {
       const std::string p = "layers." + std::to_string(i) + ".";
-      Layer l;
+      HeadLayer l;
       l.in_norm = take(p + "input_layernorm", {c.dim});
       l.post_norm = take(p + "post_attention_layernorm", {c.dim});
       l.q = take(p + "q_proj", {2 * q_out, c.dim});
@@ -163,13 +185,8 @@ class DraftHead {
   DraftSession session() const { return DraftSession(*this); }
   const HeadConfig& config() const { return config_; }
 
-  struct Layer {
-    const float *in_norm, *post_norm, *q, *k, *v, *o, *q_norm, *k_norm;
-    const float *router, *e_gate, *e_up, *e_down;  // MoE: router and experts
-    const float *s_gate, *s_up, *s_down, *s_weight;  // shared expert and its gate
-  };
   const float *embed, *lm_head, *norm_e, *norm_h, *fc, *norm;
-  std::vector<Layer> layers;
+  std::vector<HeadLayer> layers;
   std::vector<float> inv_freq;
 
  private:
@@ -216,6 +233,60 @@ static void rope(float* x, int dims, const std::vector<float>& inv_freq, float p
   }
 }
 
+void DraftSession::moe(const HeadLayer& L, const float* a, int rows, float* x) const {
+  const HeadConfig& c = head_.config();
+  const int dim = c.dim, sd = c.shared_dim, ed = c.expert_dim;
+  // The shared expert and its sigmoid gate, all rows at once.
+  std::vector<float> g(static_cast<size_t>(rows) * std::max(sd, ed)), u(g.size()), y(static_cast<size_t>(rows) * dim),
+      gate(rows), probs(static_cast<size_t>(rows) * c.experts);
+  linear(L.s_gate, sd, dim, a, rows, g.data());
+  linear(L.s_up, sd, dim, a, rows, u.data());
+  for (size_t i = 0; i < static_cast<size_t>(rows) * sd; i++) g[i] = silu(g[i]) * u[i];
+  linear(L.s_down, dim, sd, g.data(), rows, y.data());
+  linear(L.s_weight, 1, dim, a, rows, gate.data());
+  for (int r = 0; r < rows; r++) {
+    const float shared = sigmoid(gate[r]);
+    for (int i = 0; i < dim; i++) x[(size_t)r * dim + i] += shared * y[(size_t)r * dim + i];
+  }
+  // Router: softmax over experts, each row's top_k, optionally renormalized;
+  // then every expert once over the rows routed to it.
+  linear(L.router, c.experts, dim, a, rows, probs.data());
+  std::vector<std::vector<std::pair<int, float>>> routed(c.experts);
+  std::vector<int> order(c.experts);
+  for (int r = 0; r < rows; r++) {
+    float* p = &probs[(size_t)r * c.experts];
+    const float top = *std::max_element(p, p + c.experts);
+    float total = 0.0f;
+    for (int e = 0; e < c.experts; e++) total += (p[e] = std::exp(p[e] - top));
+    for (int e = 0; e < c.experts; e++) p[e] /= total;
+    for (int e = 0; e < c.experts; e++) order[e] = e;
+    std::partial_sort(order.begin(), order.begin() + c.top_k, order.end(),
+                      [&](int i, int j) { return p[i] > p[j]; });
+    float chosen = 0.0f;
+    for (int i = 0; i < c.top_k; i++) chosen += p[order[i]];
+    for (int i = 0; i < c.top_k; i++) {
+      const int e = order[i];
+      routed[e].emplace_back(r, c.norm_topk ? p[e] / chosen : p[e]);
+    }
+  }
+  std::vector<float> in;
+  for (int e = 0; e < c.experts; e++) {
+    const int n = static_cast<int>(routed[e].size());
+    if (n == 0) continue;
+    in.resize(static_cast<size_t>(n) * dim);
+    for (int i = 0; i < n; i++) std::memcpy(&in[(size_t)i * dim], &a[(size_t)routed[e][i].first * dim], sizeof(float) * dim);
+    const size_t up = static_cast<size_t>(e) * ed * dim;
+    linear(L.e_gate + up, ed, dim, in.data(), n, g.data());
+    linear(L.e_up + up, ed, dim, in.data(), n, u.data());
+    for (size_t i = 0; i < static_cast<size_t>(n) * ed; i++) g[i] = silu(g[i]) * u[i];
+    linear(L.e_down + static_cast<size_t>(e) * dim * ed, dim, ed, g.data(), n, y.data());
+    for (int i = 0; i < n; i++) {
+      const auto [r, weight] = routed[e][i];
+      for (int j = 0; j < dim; j++) x[(size_t)r * dim + j] += weight * y[(size_t)i * dim + j];
+    }
+  }
+}
+
 void DraftSession::forward(const float* hidden, const std::vector<int>& tokens, float* m, float* logits) {
   const HeadConfig& c = head_.config();
   const int rows = static_cast<int>(tokens.size());
@@ -239,7 +310,7 @@ void DraftSession::forward(const float* hidden, const std::vector<int>& tokens, 
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
 
   for (int li = 0; li < c.layers; li++) {
-    const DraftHead::Layer& L = head_.layers[li];
+    const HeadLayer& L = head_.layers[li];
     for (int r = 0; r < rows; r++) rms_norm(&x[(size_t)r * dim], L.in_norm, c.eps, dim, &a[(size_t)r * dim]);
     linear(L.q, 2 * q_out, dim, a.data(), rows, qg.data());
     linear(L.k, kv_out, dim, a.data(), rows, k.data());
@@ -264,24 +335,17 @@ void DraftSession::forward(const float* hidden, const std::vector<int>& tokens, 
         // q_proj's output per head is [query (hd), gate (hd)].
         rms_norm(&qg[(size_t)r * 2 * q_out + (size_t)h * 2 * hd], L.q_norm, c.eps, hd, q);
         rope(q, c.rope_dims, head_.inv_freq, pos);
-        const int kvh = h / group;
-        float top = -INFINITY;
-        for (int j = 0; j < visible; j++) {
-          const float* kj = &K[((size_t)j * c.kv_heads + kvh) * hd];
-          float s = 0.0f;
-          for (int d = 0; d < hd; d++) s += q[d] * kj[d];
-          scores[j] = s * scale;
-          top = std::max(top, scores[j]);
-        }
+        // scores = scale * q K^T over the visible positions; out = softmax(scores) V.
+        const int kvh = h / group, stride = c.kv_heads * hd;
+        mtp_few_rows_sgemm(111, 112, 1, visible, hd, scale, q, hd, &K[(size_t)kvh * hd], stride, 0.0f,
+                           scores.data(), visible);
+        const float top = *std::max_element(scores.begin(), scores.begin() + visible);
         float total = 0.0f;
         for (int j = 0; j < visible; j++) total += (scores[j] = std::exp(scores[j] - top));
+        for (int j = 0; j < visible; j++) scores[j] /= total;
         float* out = &attn[(size_t)r * q_out + (size_t)h * hd];
-        std::fill(out, out + hd, 0.0f);
-        for (int j = 0; j < visible; j++) {
-          const float p = scores[j] / total;
-          const float* vj = &V[((size_t)j * c.kv_heads + kvh) * hd];
-          for (int d = 0; d < hd; d++) out[d] += p * vj[d];
-        }
+        mtp_few_rows_sgemm(111, 111, 1, hd, visible, 1.0f, scores.data(), visible, &V[(size_t)kvh * hd], stride, 0.0f,
+                           out, hd);
         const float* gate = &qg[(size_t)r * 2 * q_out + (size_t)h * 2 * hd + hd];
         for (int d = 0; d < hd; d++) out[d] *= sigmoid(gate[d]);
       }
@@ -290,44 +354,7 @@ void DraftSession::forward(const float* hidden, const std::vector<int>& tokens, 
     for (size_t i = 0; i < x.size(); i++) x[i] += o[i];
 
     for (int r = 0; r < rows; r++) rms_norm(&x[(size_t)r * dim], L.post_norm, c.eps, dim, &a[(size_t)r * dim]);
-    const int sd = c.shared_dim;
-    std::vector<float> g(sd), u(sd), y(dim);
-    for (int r = 0; r < rows; r++) {
-      const float* ar = &a[(size_t)r * dim];
-      float* xr = &x[(size_t)r * dim];
-      linear(L.s_gate, sd, dim, ar, 1, g.data());
-      linear(L.s_up, sd, dim, ar, 1, u.data());
-      for (int i = 0; i < sd; i++) g[i] = silu(g[i]) * u[i];
-      linear(L.s_down, dim, sd, g.data(), 1, y.data());
-      float s = 0.0f;
-      for (int i = 0; i < dim; i++) s += L.s_weight[i] * ar[i];
-      const float shared = sigmoid(s);
-      for (int i = 0; i < dim; i++) xr[i] += shared * y[i];
-      // Router: softmax over experts, the top_k largest, optionally renormalized.
-      std::vector<float> probs(c.experts);
-      linear(L.router, c.experts, dim, ar, 1, probs.data());
-      const float top = *std::max_element(probs.begin(), probs.end());
-      float total = 0.0f;
-      for (float& p : probs) total += (p = std::exp(p - top));
-      for (float& p : probs) p /= total;
-      std::vector<int> order(c.experts);
-      for (int e = 0; e < c.experts; e++) order[e] = e;
-      std::partial_sort(order.begin(), order.begin() + c.top_k, order.end(),
-                        [&](int i, int j) { return probs[i] > probs[j]; });
-      float chosen = 0.0f;
-      for (int i = 0; i < c.top_k; i++) chosen += probs[order[i]];
-      std::vector<float> eg(c.expert_dim), eu(c.expert_dim);
-      for (int i = 0; i < c.top_k; i++) {
-        const int e = order[i];
-        const float weight = c.norm_topk ? probs[e] / chosen : probs[e];
-        const size_t up = static_cast<size_t>(e) * c.expert_dim * dim;
-        linear(L.e_gate + up, c.expert_dim, dim, ar, 1, eg.data());
-        linear(L.e_up + up, c.expert_dim, dim, ar, 1, eu.data());
-        for (int j = 0; j < c.expert_dim; j++) eg[j] = silu(eg[j]) * eu[j];
-        linear(L.e_down + static_cast<size_t>(e) * dim * c.expert_dim, dim, c.expert_dim, eg.data(), 1, y.data());
-        for (int j = 0; j < dim; j++) xr[j] += weight * y[j];
-      }
-    }
+    moe(L, a.data(), rows, x.data());
   }
   offset_ = start + rows;
   rms_norm(&x[(size_t)(rows - 1) * dim], head_.norm, c.eps, dim, m);
@@ -389,6 +416,62 @@ std::tuple<std::vector<float>, std::vector<float>> DraftSession::logits(const mx
   return {m, logits};
 }
 
+void DraftSession::chain(const float* hidden, const std::vector<int>& tokens, int k, int* out) {
+  const HeadConfig& c = head_.config();
+  std::vector<float> m(c.dim), next(c.dim), logits(c.vocab);
+  forward(hidden, tokens, m.data(), logits.data());
+  for (int j = 0; j < k; j++) {
+    out[j] = static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    if (j + 1 == k) break;
+    forward(m.data(), {out[j]}, next.data(), logits.data());
+    std::swap(m, next);
+  }
+}
+
+class DraftChain : public mx::Primitive {
+ public:
+  DraftChain(mx::Stream stream, DraftSession* session, std::vector<int> tokens, int k)
+      : mx::Primitive(stream), session_(session), tokens_(std::move(tokens)), k_(k) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    auto& hidden = inputs[0];
+    auto& out = outputs[0];
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(hidden);
+    encoder.set_output_array(out);
+    encoder.dispatch([session = session_, tokens = tokens_, k = k_, h = hidden.data<float>(),
+                      o = out.data<int32_t>()]() { session->chain(h, tokens, k, o); });
+  }
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("draft chains run on the CPU only");
+  }
+  const char* name() const override { return "DraftChain"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }  // it has side effects
+
+ private:
+  DraftSession* session_;
+  std::vector<int> tokens_;
+  int k_;
+};
+
+mx::array DraftSession::draft_lazy(const mx::array& hidden, const std::vector<int>& tokens, int k) {
+  const HeadConfig& c = head_.config();
+  if (k < 1) throw std::invalid_argument("k must be >= 1, got " + std::to_string(k));
+  const size_t n = tokens.size();
+  if (n < 1) throw std::invalid_argument("no pairs to consume");
+  if (hidden.size() != n * c.dim || hidden.shape().back() != c.dim) {
+    throw std::invalid_argument("hidden must hold one row of " + std::to_string(c.dim) + " values per pair (" +
+                                std::to_string(n) + " pairs), got " + std::to_string(hidden.size()) + " values");
+  }
+  for (int t : tokens) {
+    if (t < 0 || t >= c.vocab) throw std::invalid_argument("token " + std::to_string(t) + " outside the vocabulary");
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  mx::array rows = mx::contiguous(mx::astype(mx::reshape(hidden, {static_cast<int>(n), c.dim}, s), mx::float32, s), false, s);
+  return mx::array({1, k}, mx::int32, std::make_shared<DraftChain>(s, this, tokens, k), {rows});
+}
+
 }  // namespace mtp
 
 NB_MODULE(_mtp_draft, m) {
@@ -414,7 +497,8 @@ NB_MODULE(_mtp_draft, m) {
       .def_prop_ro("offset", &mtp::DraftSession::offset)
       .def("rewind", &mtp::DraftSession::rewind, "offset"_a)
       .def("draft", &mtp::DraftSession::draft, "hidden"_a, "tokens"_a, "k"_a, "tau"_a = 0.0f)
-      .def("logits", &mtp::DraftSession::logits, "hidden"_a, "tokens"_a);
+      .def("logits", &mtp::DraftSession::logits, "hidden"_a, "tokens"_a)
+      .def("draft_lazy", &mtp::DraftSession::draft_lazy, "hidden"_a, "tokens"_a, "k"_a);
   nb::class_<mtp::DraftHead>(m, "DraftHead")
       .def(nb::init<std::unordered_map<std::string, mlx::core::array>, const mtp::HeadConfig&>(), "weights"_a,
            "config"_a)

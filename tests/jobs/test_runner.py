@@ -87,7 +87,7 @@ def test_changed_model_template_or_decoding_is_refused(tmp_path, job_model, job_
     for change, pattern in [
         (dict(max_tokens=17), r"decoding.max_tokens: 16 -> 17"),
         (dict(mode="tree"), r"decoding.mode: 'chain' -> 'tree'"),
-        (dict(draft_tokens=2), r"decoding.draft_tokens: 3 -> 2"),
+        (dict(draft_tokens=2), r"decoding.draft_tokens: 4 -> 2"),
         (dict(system_prompt="Be brief."), r"rendering.system_prompt"),
     ]:
         with pytest.raises(FingerprintMismatch, match=pattern) as info:
