@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="Qwen3-Next checkpoint folder with its MTP head")
     g.add_argument("--output", help="output folder (created; resumed if it holds this job)")
     g.add_argument("--mode", choices=JOB_MODES, help="decoding mode; 'batch' = continuous batching, no speculation; 'auto' = the measured "
-                   "best for this backend: batch on MLX's CPU backend and GPUs (default: auto)")
+                   "best for this backend: chain (K=4) on MLX's CPU backend, batch on GPUs (default: auto)")
     g.add_argument("--draft-tokens", type=int, help="K: draft depth (default: 4)")
     g.add_argument("--paths", type=int, help="P: candidate first tokens in 'paths' mode (default: 2)")
     g.add_argument("--tau", type=float, help="confidence threshold of the adaptive modes (default: 0.5)")

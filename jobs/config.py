@@ -14,19 +14,20 @@ from schemas.arrow import SCHEMA_VERSION
 JOB_MODES = MODES + ("batch", "auto")
 
 # What "auto" (the default) becomes on each MLX backend, from `make bench` on
-# the shipped model (README, Benchmarks). Over a dataset, continuous batching
-# wins on both: on the 2-core CPU 504 tok/s at B=16 against 314 for plain
-# decoding and 407 for the best speculative mode (chain K=4 with the
-# self-distilled head and the recurrence primitive; MLX's sgemm on OpenBLAS);
-# on an H200 (CUDA) 455 / 1001
-# tok/s at B=16 / 32 against 214-256 for plain decoding and 369-442 for the
-# best speculative mode (chain K=4 or adaptive K=5 with the distilled head;
-# batch mode last measured before the CUDA recurrence kernel, which batch
-# mode does not use). The issue's anchor for the 80B-A3B shapes on the H200
-# points the same way (BatchGenerator 206 tok/s at B=16, 18.8 for one
-# sequence). Speculative modes remain the choice for one sequence at a time
-# (latency), via --mode.
-AUTO_MODE = {"cpu": "batch", "gpu": "batch"}
+# the shipped model (README, Benchmarks).
+# - The 2-core CPU: speculation. Since the MTP drafts run in C++ (and verify
+#   forwards' small matmuls in the few-row kernel), chain K=4 moves 530-555
+#   tok/s through the benchmark prompts against 480-518 for continuous
+#   batching at B=16-32 and 285-330 for plain decoding (three runs on
+#   2026-11-30), and `make generate` on examples/small.jsonl 698-712 against
+#   591-652. Before that, batching won (504 against 407 tok/s).
+# - An H200 (CUDA): batching, 455 / 1001 tok/s at B=16 / 32 against 214-256
+#   for plain decoding and 369-442 for the best speculative mode (chain K=4
+#   or adaptive K=5 with the distilled head; batch mode last measured before
+#   the CUDA recurrence kernel, which batch mode does not use). The issue's
+#   anchor for the 80B-A3B shapes on the H200 points the same way
+#   (BatchGenerator 206 tok/s at B=16, 18.8 for one sequence).
+AUTO_MODE = {"cpu": "chain", "gpu": "batch"}
 
 
 class ConfigError(ValueError):

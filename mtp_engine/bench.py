@@ -435,7 +435,7 @@ def suite(engine, args, context: int | None, log, first: bool = True) -> dict:
     log(f"context {context or 'prompt only'}: {len(prompts)} prompts x {args.max_tokens} tokens")
     totals = run_modes(engine, prompts, modes, args.max_tokens, args.rounds, log, warmup=first)
     rows = [t.row(totals.get("baseline")) for t in totals.values()]
-    costs = forward_costs(engine, prompts[0], [1, 2, 3, 4, 5, 6, 8])
+    costs = forward_costs(engine, prompts[0], [1, 2, 3, 4, 5, 6, 7, 8])
     report = {
         "settings": {"prompts": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds, "context": context},
         "results": rows,
