@@ -318,11 +318,13 @@ def _drain(engine, prompts, max_tokens: int, size: int) -> tuple[int, float]:
 LAYERS = {"auto": None, "compiled": True, "eager": False}
 
 
-def load_engine(model: str, dtype: str | None, compile_layers: bool | None = None) -> MTPEngine:
+def load_engine(
+    model: str, dtype: str | None, compile_layers: bool | None = None, host_drafts: bool = False
+) -> MTPEngine:
     """The engine for a command-line tool; a bad folder or dtype ends the
     process with the reason and exit status 2, not a traceback."""
     try:
-        return MTPEngine.load(model, dtype=dtype, compile_layers=compile_layers)
+        return MTPEngine.load(model, dtype=dtype, compile_layers=compile_layers, host_drafts=host_drafts)
     except (OSError, ValueError) as e:  # missing folder, bad checkpoint or dtype
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -376,6 +378,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batch-limit", type=int, default=None, help="prompts for batch throughput (default --limit)")
     parser.add_argument("--time-budget", type=float, default=None, help="seconds; later contexts are skipped past it")
     parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--host-drafts", action="store_true",
+                        help="on a GPU, draft chain/adaptive modes on the host CPU with the C++ head")
     parser.add_argument("--layers", choices=["auto", "compiled", "eager"], default="auto",
                         help="compiled decoder layers (mtp_engine.compiled); auto: on the CPU backend only")
     args = parser.parse_args(argv)
@@ -394,7 +398,8 @@ def main(argv=None) -> int:
             qwen3_next_80b_config(**overrides), compile_layers=LAYERS[args.layers]))
         model_name = f"synthetic {args.synthetic} (random 4-bit weights)"
     else:
-        engine = load_engine(args.model, args.dtype, compile_layers=LAYERS[args.layers])
+        engine = load_engine(args.model, args.dtype, compile_layers=LAYERS[args.layers],
+                             host_drafts=args.host_drafts)
         model_name = args.model
     started = time.perf_counter()
     compiled = any(isinstance(layer, CompiledDecoderLayer) for layer in engine.model.layers)
@@ -437,7 +442,8 @@ def suite(engine, args, context: int | None, log, first: bool = True) -> dict:
     rows = [t.row(totals.get("baseline")) for t in totals.values()]
     costs = forward_costs(engine, prompts[0], [1, 2, 3, 4, 5, 6, 7, 8])
     report = {
-        "settings": {"prompts": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds, "context": context},
+        "settings": {"prompts": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds, "context": context,
+                     "chain_drafter": "c++" if engine.native_drafter is not None else "mlx"},
         "results": rows,
         "cost_model": cost_model(costs, rows, totals),
     }

@@ -16,7 +16,9 @@ draft the same tokens (tests compare its logits with the MLX head's).
 The engine uses it for chain and adaptive drafts when the model runs on the
 CPU in float32 (not quantized) and the head has the layout it knows; the
 tree modes keep the MLX drafter (they fork the head's cache). Set
-``MTP_NATIVE_DRAFT=0`` to always draft with MLX.
+``MTP_NATIVE_DRAFT=0`` to always draft with MLX. On a GPU it is opt-in
+(``host_drafts=True``): the head then drafts on the host CPU from float32
+copies while the GPU verifies, which pays only for small heads.
 """
 
 from __future__ import annotations
@@ -49,20 +51,25 @@ def extension():
     return _extension
 
 
-def _weight(module: nn.Module) -> mx.array | None:
+FLOATS = (mx.float32, mx.bfloat16, mx.float16)
+
+
+def _weight(module: nn.Module, dtypes=(mx.float32,)) -> mx.array | None:
     """A Linear / RMSNorm / Embedding weight the C++ head can read, or None
-    (quantized, biased, not float32)."""
+    (quantized, biased, not of ``dtypes``)."""
     if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "bias" in module:
         return None
     w = module.weight
-    return w if w.dtype == mx.float32 else None
+    return w if w.dtype in dtypes else None
 
 
-def head_weights(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> tuple[dict, dict] | None:
+def head_weights(
+    head: MTPHead, embed: nn.Module, lm_head: nn.Module, dtypes=(mx.float32,)
+) -> tuple[dict, dict] | None:
     """The C++ head's weights (by its names) and configuration, or None when
-    the head is not one it can run: quantized or non-float32 weights, biases,
-    a RoPE other than mlx-lm's plain one, a dense MLP instead of the MoE
-    block."""
+    the head is not one it can run: quantized weights or weights not of
+    ``dtypes``, biases, a RoPE other than mlx-lm's plain one, a dense MLP
+    instead of the MoE block."""
     named = {
         "embed": embed,
         "lm_head": lm_head,
@@ -101,11 +108,11 @@ def head_weights(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> tuple[d
         })
         for name in ("gate_proj", "up_proj", "down_proj"):
             expert = getattr(mlp.switch_mlp, name)
-            if "bias" in expert or "scales" in expert or expert.weight.dtype != mx.float32:
+            if "bias" in expert or "scales" in expert or expert.weight.dtype not in dtypes:
                 return None
             weights[p + "experts." + name] = expert.weight
     for name, module in named.items():
-        w = _weight(module)
+        w = _weight(module, dtypes)
         if w is None:
             return None
         weights[name] = w
@@ -130,19 +137,28 @@ def head_weights(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> tuple[d
     return weights, config
 
 
-def native_head(head: MTPHead, embed: nn.Module, lm_head: nn.Module):
-    """A ``_mtp_draft.DraftHead`` over the head's own weights, or None when
-    the extension is missing or cannot run this head (see `head_weights`) or
-    the model is not on the CPU."""
+def native_head(head: MTPHead, embed: nn.Module, lm_head: nn.Module, on_gpu: bool = False):
+    """A ``_mtp_draft.DraftHead``, or None when the extension is missing or
+    cannot run this head (see `head_weights`).
+
+    On the CPU backend it reads the head's own float32 weights. On a GPU it
+    is used only when ``on_gpu`` asks for it (host drafts, see
+    `MTPEngine`): it then keeps float32 copies of the head, embedding and
+    LM head in host memory, drafts on the CPU, and the GPU verifies.
+    """
     ext = extension()
-    if ext is None or mx.default_device() != mx.cpu:
+    if ext is None:
         return None
-    found = head_weights(head, embed, lm_head)
+    gpu = mx.default_device() != mx.cpu
+    if gpu and not on_gpu:
+        return None
+    found = head_weights(head, embed, lm_head, FLOATS if gpu else (mx.float32,))
     if found is None:
         return None
     weights, values = found
-    weights = {k: mx.contiguous(w) for k, w in weights.items()}
-    mx.eval(list(weights.values()))
+    with mx.stream(mx.cpu):
+        weights = {k: mx.contiguous(w.astype(mx.float32)) for k, w in weights.items()}
+        mx.eval(list(weights.values()))
     config = ext.HeadConfig()
     for k, v in values.items():
         setattr(config, k, v)
@@ -189,12 +205,18 @@ class NativeDrafter:
         state.pending_hidden, state.pending_tokens = None, []
         return hidden, tokens
 
-    def draft(self, state: NativeDraftState, k: int) -> mx.array:
-        """K greedy draft tokens, ``[1, k]`` int32, not read back: like the
-        MLX drafter's chains, the array is evaluated on MLX's CPU stream
-        (the C++ head runs there) while the host builds the verify forward
-        on top of it, and its tokens come back with the verify's targets."""
+    def draft(self, state: NativeDraftState, k: int) -> mx.array | list[list[int]]:
+        """K greedy draft tokens. On the CPU backend a ``[1, k]`` int32
+        array, not read back: like the MLX drafter's chains, it is evaluated
+        on MLX's CPU stream (the C++ head runs there) while the host builds
+        the verify forward on top of it, and its tokens come back with the
+        verify's targets. For a GPU model (host drafts), one path as a list."""
         hidden, tokens = self._pending(state)
+        if mx.default_device() != mx.cpu:
+            # Host drafts for a GPU model are drafted at once: with the lazy
+            # primitive, a verify on the GPU waiting on an array of the CPU
+            # stream hung on MLX 0.32.4's CUDA backend (README, H200).
+            return [state.session.draft(hidden, tokens, k, 0.0)[0]]
         drafts = state.session.draft_lazy(hidden, tokens, k)
         mx.async_eval(drafts)
         return drafts

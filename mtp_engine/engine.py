@@ -96,6 +96,10 @@ class MTPEngine:
             (default). False restores a snapshot and replays the accepted
             tokens instead (slower; for caches without checkpoints).
         prefill_step_size: Prompt tokens per prefill forward (as mlx-lm).
+        host_drafts: On a GPU, draft chain and adaptive modes on the host
+            CPU with the C++ head (float32 copies of the head, embedding and
+            LM head in host memory) while the GPU verifies. On the CPU
+            backend the C++ head is used whenever it can run the head.
     """
 
     def __init__(
@@ -104,6 +108,7 @@ class MTPEngine:
         *,
         use_checkpoints: bool = True,
         prefill_step_size: int = 2048,
+        host_drafts: bool = False,
     ):
         self.checkpoint = checkpoint
         self.model = checkpoint.model
@@ -118,7 +123,7 @@ class MTPEngine:
         # On the CPU, chain and adaptive drafts run in C++ where the head allows
         # (`mtp_engine.cpu_drafter`); it reads the head's weights as they are now.
         lm_head = trunk.embed_tokens if self.model.args.tie_word_embeddings else self.model.lm_head
-        native = native_head(checkpoint.head, trunk.embed_tokens, lm_head)
+        native = native_head(checkpoint.head, trunk.embed_tokens, lm_head, on_gpu=host_drafts)
         self.native_drafter = NativeDrafter(native) if native is not None else None
 
     @classmethod

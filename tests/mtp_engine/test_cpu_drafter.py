@@ -166,3 +166,11 @@ def test_switched_off_by_environment(tiny_path):
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "True"]
+
+
+def test_host_drafts_change_nothing_on_the_cpu_backend(tiny_path):
+    # host_drafts only matters on a GPU; on the CPU the C++ head is used anyway.
+    engine = MTPEngine.load(tiny_path, host_drafts=True)
+    assert engine.drafter_for("chain") is engine.native_drafter is not None
+    plain = engine.generate("class Point:", max_tokens=24, mode="baseline")
+    assert engine.generate("class Point:", max_tokens=24, mode="chain").tokens == plain.tokens
