@@ -26,12 +26,14 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/unordered_map.h>
@@ -86,10 +88,12 @@ struct HeadLayer {
   const float *s_gate, *s_up, *s_down, *s_weight;  // shared expert and its gate
 };
 
-// One generation's KV caches (layout [position][kv head][head dim]).
-class DraftSession {
+// One generation's KV caches (layout [position][kv head][head dim]). Shared
+// ownership: a lazy draft holds its session (and so the head) until MLX has
+// evaluated or dropped it, whatever Python releases meanwhile.
+class DraftSession : public std::enable_shared_from_this<DraftSession> {
  public:
-  explicit DraftSession(const DraftHead& head);
+  explicit DraftSession(std::shared_ptr<const DraftHead> head);
 
   // Drop entries from position `offset` on.
   void rewind(int offset) {
@@ -114,8 +118,8 @@ class DraftSession {
 
   // The same greedy chain of k drafts (no early stop) as a lazy [1, k] int32
   // MLX array: it runs on MLX's CPU stream when evaluated, so the host can
-  // build the verify forward on top of it meanwhile. The session must stay
-  // alive, and be left alone, until the array is evaluated.
+  // build the verify forward on top of it meanwhile. The array keeps the
+  // session alive; leave the session alone until the array is evaluated.
   mx::array draft_lazy(const mx::array& hidden, const std::vector<int>& tokens, int k);
 
   // Consume the pairs and draft k tokens greedily into `out` (the work of
@@ -127,19 +131,23 @@ class DraftSession {
   std::tuple<std::vector<float>, std::vector<float>> logits(const mx::array& hidden, const std::vector<int>& tokens);
 
  private:
-  // `hidden` as an evaluated, row-contiguous float32 array of n x dim values.
-  mx::array rows_of(const mx::array& hidden, size_t n) const;
+  // Raise std::invalid_argument (Python's ValueError) unless `hidden` holds
+  // one row per token and every token is in the vocabulary.
+  void check_pairs(const mx::array& hidden, const std::vector<int>& tokens) const;
+  // `hidden`, checked, as an evaluated row-contiguous float32 array.
+  mx::array rows_of(const mx::array& hidden, const std::vector<int>& tokens) const;
   void reserve(int positions);
   // x[rows] += the MoE block of a[rows] (normed inputs).
   void moe(const HeadLayer& L, const float* a, int rows, float* x) const;
 
+  std::shared_ptr<const DraftHead> owner_;
   const DraftHead& head_;
   int offset_ = 0;
   int capacity_ = 0;
   std::vector<std::vector<float>> keys_, values_;
 };
 
-class DraftHead {
+class DraftHead : public std::enable_shared_from_this<DraftHead> {
  public:
   DraftHead(std::unordered_map<std::string, mx::array> weights, const HeadConfig& config)
       : config_(config), weights_(std::move(weights)) {
@@ -182,7 +190,7 @@ class DraftHead {
     }
   }
 
-  DraftSession session() const { return DraftSession(*this); }
+  std::shared_ptr<DraftSession> session() const { return std::make_shared<DraftSession>(shared_from_this()); }
   const HeadConfig& config() const { return config_; }
 
   const float *embed, *lm_head, *norm_e, *norm_h, *fc, *norm;
@@ -209,8 +217,8 @@ class DraftHead {
   std::unordered_map<std::string, mx::array> weights_;  // keeps the buffers alive
 };
 
-DraftSession::DraftSession(const DraftHead& head)
-    : head_(head), keys_(head.config().layers), values_(head.config().layers) {}
+DraftSession::DraftSession(std::shared_ptr<const DraftHead> head)
+    : owner_(std::move(head)), head_(*owner_), keys_(head_.config().layers), values_(head_.config().layers) {}
 
 void DraftSession::reserve(int positions) {
   if (positions <= capacity_) return;
@@ -296,8 +304,7 @@ void DraftSession::forward(const float* hidden, const std::vector<int>& tokens, 
 
   std::vector<float> both(static_cast<size_t>(rows) * 2 * dim), x(static_cast<size_t>(rows) * dim);
   for (int r = 0; r < rows; r++) {
-    const int t = tokens[r];
-    if (t < 0 || t >= c.vocab) throw std::invalid_argument("token " + std::to_string(t) + " outside the vocabulary");
+    const int t = tokens[r];  // in the vocabulary: checked by every entry point (check_pairs)
     rms_norm(head_.embed + static_cast<size_t>(t) * dim, head_.norm_e, c.eps, dim, &both[(size_t)r * 2 * dim]);
     rms_norm(hidden + static_cast<size_t>(r) * dim, head_.norm_h, c.eps, dim, &both[(size_t)r * 2 * dim + dim]);
   }
@@ -373,7 +380,7 @@ std::tuple<std::vector<int>, std::vector<float>> DraftSession::draft(const mx::a
                                                                      float tau) {
   const HeadConfig& c = head_.config();
   if (k < 1) throw std::invalid_argument("k must be >= 1, got " + std::to_string(k));
-  const mx::array rows = rows_of(hidden, tokens.size());
+  const mx::array rows = rows_of(hidden, tokens);
   std::vector<float> m(c.dim), next(c.dim), logits(c.vocab);
   std::vector<int> drafts;
   std::vector<float> probs;
@@ -392,13 +399,21 @@ std::tuple<std::vector<int>, std::vector<float>> DraftSession::draft(const mx::a
   return {drafts, probs};
 }
 
-mx::array DraftSession::rows_of(const mx::array& hidden, size_t n) const {
-  const size_t dim = head_.config().dim;
+void DraftSession::check_pairs(const mx::array& hidden, const std::vector<int>& tokens) const {
+  const HeadConfig& c = head_.config();
+  const size_t n = tokens.size();
   if (n < 1) throw std::invalid_argument("no pairs to consume");
-  if (hidden.size() != n * dim || hidden.shape().back() != static_cast<int>(dim)) {
-    throw std::invalid_argument("hidden must hold one row of " + std::to_string(dim) + " values per pair (" +
+  if (hidden.size() != n * c.dim || hidden.shape().back() != c.dim) {
+    throw std::invalid_argument("hidden must hold one row of " + std::to_string(c.dim) + " values per pair (" +
                                 std::to_string(n) + " pairs), got " + std::to_string(hidden.size()) + " values");
   }
+  for (int t : tokens) {
+    if (t < 0 || t >= c.vocab) throw std::invalid_argument("token " + std::to_string(t) + " outside the vocabulary");
+  }
+}
+
+mx::array DraftSession::rows_of(const mx::array& hidden, const std::vector<int>& tokens) const {
+  check_pairs(hidden, tokens);
   mx::array rows = hidden.dtype() == mx::float32 ? hidden : mx::astype(hidden, mx::float32);
   if (!rows.is_available() || !rows.flags().row_contiguous) {
     rows = mx::contiguous(rows);
@@ -410,7 +425,7 @@ mx::array DraftSession::rows_of(const mx::array& hidden, size_t n) const {
 std::tuple<std::vector<float>, std::vector<float>> DraftSession::logits(const mx::array& hidden,
                                                                         const std::vector<int>& tokens) {
   const HeadConfig& c = head_.config();
-  const mx::array rows = rows_of(hidden, tokens.size());
+  const mx::array rows = rows_of(hidden, tokens);
   std::vector<float> m(c.dim), logits(c.vocab);
   forward(rows.data<float>(), tokens, m.data(), logits.data());
   return {m, logits};
@@ -430,8 +445,8 @@ void DraftSession::chain(const float* hidden, const std::vector<int>& tokens, in
 
 class DraftChain : public mx::Primitive {
  public:
-  DraftChain(mx::Stream stream, DraftSession* session, std::vector<int> tokens, int k)
-      : mx::Primitive(stream), session_(session), tokens_(std::move(tokens)), k_(k) {}
+  DraftChain(mx::Stream stream, std::shared_ptr<DraftSession> session, std::vector<int> tokens, int k)
+      : mx::Primitive(stream), session_(std::move(session)), tokens_(std::move(tokens)), k_(k) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& hidden = inputs[0];
@@ -450,7 +465,7 @@ class DraftChain : public mx::Primitive {
   bool is_equivalent(const mx::Primitive&) const override { return false; }  // it has side effects
 
  private:
-  DraftSession* session_;
+  std::shared_ptr<DraftSession> session_;
   std::vector<int> tokens_;
   int k_;
 };
@@ -458,18 +473,11 @@ class DraftChain : public mx::Primitive {
 mx::array DraftSession::draft_lazy(const mx::array& hidden, const std::vector<int>& tokens, int k) {
   const HeadConfig& c = head_.config();
   if (k < 1) throw std::invalid_argument("k must be >= 1, got " + std::to_string(k));
-  const size_t n = tokens.size();
-  if (n < 1) throw std::invalid_argument("no pairs to consume");
-  if (hidden.size() != n * c.dim || hidden.shape().back() != c.dim) {
-    throw std::invalid_argument("hidden must hold one row of " + std::to_string(c.dim) + " values per pair (" +
-                                std::to_string(n) + " pairs), got " + std::to_string(hidden.size()) + " values");
-  }
-  for (int t : tokens) {
-    if (t < 0 || t >= c.vocab) throw std::invalid_argument("token " + std::to_string(t) + " outside the vocabulary");
-  }
+  check_pairs(hidden, tokens);
   auto s = mx::default_stream(mx::Device::cpu);
-  mx::array rows = mx::contiguous(mx::astype(mx::reshape(hidden, {static_cast<int>(n), c.dim}, s), mx::float32, s), false, s);
-  return mx::array({1, k}, mx::int32, std::make_shared<DraftChain>(s, this, tokens, k), {rows});
+  const int n = static_cast<int>(tokens.size());
+  mx::array rows = mx::contiguous(mx::astype(mx::reshape(hidden, {n, c.dim}, s), mx::float32, s), false, s);
+  return mx::array({1, k}, mx::int32, std::make_shared<DraftChain>(s, shared_from_this(), tokens, k), {rows});
 }
 
 }  // namespace mtp
@@ -500,7 +508,9 @@ NB_MODULE(_mtp_draft, m) {
       .def("logits", &mtp::DraftSession::logits, "hidden"_a, "tokens"_a)
       .def("draft_lazy", &mtp::DraftSession::draft_lazy, "hidden"_a, "tokens"_a, "k"_a);
   nb::class_<mtp::DraftHead>(m, "DraftHead")
-      .def(nb::init<std::unordered_map<std::string, mlx::core::array>, const mtp::HeadConfig&>(), "weights"_a,
-           "config"_a)
-      .def("session", &mtp::DraftHead::session, nb::keep_alive<0, 1>());
+      .def(nb::new_([](std::unordered_map<std::string, mlx::core::array> weights, const mtp::HeadConfig& config) {
+             return std::make_shared<mtp::DraftHead>(std::move(weights), config);
+           }),
+           "weights"_a, "config"_a)
+      .def("session", &mtp::DraftHead::session);
 }

@@ -139,6 +139,11 @@ def test_bad_input_is_named(tiny_engine):
         session.draft(mx.zeros((2, dim)), [1], 2)
     with pytest.raises(ValueError, match="k must be >= 1"):
         session.draft(h, [1], 0)
+    # The lazy chain checks when it is made, not on MLX's stream.
+    with pytest.raises(ValueError, match=f"token {vocab} outside the vocabulary"):
+        session.draft_lazy(h, [vocab], 2)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        session.draft_lazy(h, [1], 0)
     assert session.offset == 0  # nothing was written
 
 
@@ -174,3 +179,19 @@ def test_host_drafts_change_nothing_on_the_cpu_backend(tiny_path):
     assert engine.drafter_for("chain") is engine.native_drafter is not None
     plain = engine.generate("class Point:", max_tokens=24, mode="baseline")
     assert engine.generate("class Point:", max_tokens=24, mode="chain").tokens == plain.tokens
+
+
+def test_a_lazy_draft_keeps_its_session_alive(tiny_engine):
+    import gc
+
+    ids, hidden = prompt_hidden(tiny_engine, "for i in range(10):")
+    pairs = ids[1:] + [4]
+    eng_head = tiny_engine.checkpoint.head
+    embed = tiny_engine.model.model.embed_tokens
+    want = tiny_engine.native_drafter.head.session().draft(hidden[0], pairs, 3)[0]
+    head = cpu_drafter.native_head(eng_head, embed, tiny_engine.model.lm_head)
+    session = head.session()
+    lazy = session.draft_lazy(hidden[0], pairs, 3)
+    del head, session
+    gc.collect()
+    assert lazy.tolist() == [want]
