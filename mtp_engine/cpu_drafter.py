@@ -171,6 +171,7 @@ class NativeDraftState:
 
     session: object
     pending_hidden: mx.array | None = None
+    pending_row: int = 0
     pending_tokens: list[int] = field(default_factory=list)
     base: int = 0
 
@@ -185,25 +186,27 @@ class NativeDrafter:
     def new_state(self) -> NativeDraftState:
         return NativeDraftState(session=self.head.session())
 
-    def set_pending(self, state: NativeDraftState, hidden: mx.array, tokens: list[int]) -> None:
-        if hidden.shape[1] != len(tokens):
+    def set_pending(self, state: NativeDraftState, hidden: mx.array, tokens: list[int], row: int = 0) -> None:
+        """Queue pairs ``(hidden[row, j], tokens[j])``; the C++ head reads
+        them straight from ``hidden`` (``[rows, >= len(tokens), dim]``)."""
+        if hidden.shape[1] < len(tokens):
             raise ValueError(f"{hidden.shape[1]} hiddens for {len(tokens)} tokens")
-        state.pending_hidden = hidden
+        state.pending_hidden, state.pending_row = hidden, row
         state.pending_tokens = list(tokens)
 
-    def commit(self, state: NativeDraftState, hidden: mx.array, tokens: list[int]) -> None:
+    def commit(self, state: NativeDraftState, hidden: mx.array, tokens: list[int], row: int = 0) -> None:
         """Drop the drafted cache entries and queue the accepted pairs."""
         state.session.rewind(state.base)
-        self.set_pending(state, hidden, tokens)
+        self.set_pending(state, hidden, tokens, row)
 
-    def _pending(self, state: NativeDraftState) -> tuple[mx.array, list[int]]:
+    def _pending(self, state: NativeDraftState) -> tuple[mx.array, int, list[int]]:
         """Take the pending pairs (they are consumed by the next draft)."""
-        hidden, tokens = state.pending_hidden, state.pending_tokens
+        hidden, row, tokens = state.pending_hidden, state.pending_row, state.pending_tokens
         if hidden is None or not tokens:
             raise RuntimeError("drafting needs pending pairs (set_pending/commit)")
         state.base += len(tokens)
         state.pending_hidden, state.pending_tokens = None, []
-        return hidden, tokens
+        return hidden, row, tokens
 
     def draft(self, state: NativeDraftState, k: int) -> mx.array | list[list[int]]:
         """K greedy draft tokens. On the CPU backend a ``[1, k]`` int32
@@ -211,19 +214,19 @@ class NativeDrafter:
         on MLX's CPU stream (the C++ head runs there) while the host builds
         the verify forward on top of it, and its tokens come back with the
         verify's targets. For a GPU model (host drafts), one path as a list."""
-        hidden, tokens = self._pending(state)
+        hidden, row, tokens = self._pending(state)
         if mx.default_device() != mx.cpu:
             # Host drafts for a GPU model are drafted at once: with the lazy
             # primitive, a verify on the GPU waiting on an array of the CPU
             # stream hung on MLX 0.32.4's CUDA backend (README, H200).
-            return [state.session.draft(hidden, tokens, k, 0.0)[0]]
-        drafts = state.session.draft_lazy(hidden, tokens, k)
+            return [state.session.draft(hidden, tokens, k, 0.0, row)[0]]
+        drafts = state.session.draft_lazy(hidden, tokens, k, row)
         mx.async_eval(drafts)
         return drafts
 
     def draft_adaptive(self, state: NativeDraftState, depth_max: int, tau: float) -> list[int]:
         """Greedy chain that stops once the running product of top-1
         probabilities falls below ``tau``; 1..depth_max tokens."""
-        hidden, tokens = self._pending(state)
-        drafts, _ = state.session.draft(hidden, tokens, depth_max, tau)  # evaluates ``hidden``
+        hidden, row, tokens = self._pending(state)
+        drafts, _ = state.session.draft(hidden, tokens, depth_max, tau, row)  # evaluates ``hidden``
         return drafts

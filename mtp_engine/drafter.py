@@ -76,24 +76,27 @@ class MTPDrafter:
 
     # -- cache bookkeeping -------------------------------------------------
 
-    def set_pending(self, state: MTPDraftState, hidden: mx.array, tokens: list[int]) -> None:
-        """Queue pairs ``(hidden[:, j], tokens[j])`` for the next forward."""
-        if hidden.shape[1] != len(tokens):
+    def set_pending(self, state: MTPDraftState, hidden: mx.array, tokens: list[int], row: int = 0) -> None:
+        """Queue pairs ``(hidden[row, j], tokens[j])`` for the next forward
+        (``hidden`` ``[rows, >= len(tokens), dim]``; its first positions)."""
+        if hidden.shape[1] < len(tokens):
             raise ValueError(f"{hidden.shape[1]} hiddens for {len(tokens)} tokens")
-        state.pending_hidden = hidden
+        state.pending_hidden = hidden[row : row + 1, : len(tokens)]
         state.pending_tokens = list(tokens)
 
-    def commit(self, state: MTPDraftState, hidden: mx.array, tokens: list[int]) -> None:
+    def commit(self, state: MTPDraftState, hidden: mx.array, tokens: list[int], row: int = 0) -> None:
         """Drop drafted entries and queue the accepted pairs.
 
         Args:
-            hidden: The trunk's hiddens at the verified positions ``0..n``
-                (inputs ``x, d_1..d_n``), ``[1, n+1, dim]``.
+            hidden: The trunk's hiddens of the verify forward, ``[P, K+1, dim]``;
+                positions ``0..n`` of ``row`` (inputs ``x, d_1..d_n``) pair
+                with ``tokens``.
             tokens: The tokens those positions predicted: ``d_1..d_n`` and
                 the bonus token, i.e. what the step emitted.
+            row: The verified row (path) that won.
         """
         self.rewind(state, state.base)
-        self.set_pending(state, hidden, tokens)
+        self.set_pending(state, hidden, tokens, row)
 
     def rewind(self, state: MTPDraftState, offset: int) -> None:
         """Trim the head's caches back to ``offset`` entries."""

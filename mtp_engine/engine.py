@@ -48,7 +48,8 @@ class VerifyOutcome:
         row: Winning row (path index).
         accepted: Drafts accepted on that row (n).
         emitted: ``d_1..d_n`` and the bonus token.
-        hidden: Trunk hiddens at positions ``0..n`` of that row, ``[1, n+1, dim]``.
+        hidden: The verify forward's trunk hiddens, every row, ``[P, K+1, dim]``;
+            positions ``0..n`` of ``row`` are the committed ones.
         logits: That row's logits at positions ``0..n``, ``[n+1, vocab]`` (lazy).
         paths: The drafted paths that were verified, as token lists.
     """
@@ -347,7 +348,7 @@ class MTPEngine:
             finisher.add(out.emitted)
             if finisher.done:
                 return
-            drafter.commit(state, out.hidden, out.emitted)
+            drafter.commit(state, out.hidden, out.emitted, row=out.row)
             x = out.emitted[-1]
 
     def _verify(self, caches: list, x: int, paths: list[list[int]] | mx.array) -> VerifyOutcome:
@@ -393,7 +394,7 @@ class MTPEngine:
             best_row,
             best_n,
             emitted,
-            hidden[best_row : best_row + 1, :keep],
+            hidden,
             logits[best_row, :keep],
             paths,
         )

@@ -79,6 +79,12 @@ static void rms_norm(const float* x, const float* w, float eps, int n, float* ou
 static inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 static inline float silu(float x) { return x * sigmoid(x); }
 
+static std::string shape_text(const mx::array& a) {
+  std::string out = "(";
+  for (int i = 0; i < a.ndim(); i++) out += (i ? ", " : "") + std::to_string(a.shape(i));
+  return out + (a.ndim() == 1 ? ",)" : ")");
+}
+
 class DraftHead;
 
 // One decoder layer's weights (pointers into the MLX model's buffers).
@@ -113,14 +119,16 @@ class DraftSession : public std::enable_shared_from_this<DraftSession> {
   // Consume the pending pairs, then draft greedily: up to `k` tokens, stopping
   // early once the running product of top-1 probabilities is below `tau`
   // (tau 0: always k). Returns the drafts and each one's probability.
+  // The pairs are (hidden[row, j], tokens[j]) for hidden [rows, >= n, dim]
+  // (or [>= n, dim] with row 0), float32, bfloat16 or float16, any strides.
   std::tuple<std::vector<int>, std::vector<float>> draft(const mx::array& hidden, const std::vector<int>& tokens,
-                                                         int k, float tau);
+                                                         int k, float tau, int row);
 
   // The same greedy chain of k drafts (no early stop) as a lazy [1, k] int32
   // MLX array: it runs on MLX's CPU stream when evaluated, so the host can
   // build the verify forward on top of it meanwhile. The array keeps the
   // session alive; leave the session alone until the array is evaluated.
-  mx::array draft_lazy(const mx::array& hidden, const std::vector<int>& tokens, int k);
+  mx::array draft_lazy(const mx::array& hidden, const std::vector<int>& tokens, int k, int row);
 
   // Consume the pairs and draft k tokens greedily into `out` (the work of
   // draft() without its checks).
@@ -128,14 +136,17 @@ class DraftSession : public std::enable_shared_from_this<DraftSession> {
 
   // One forward over pairs (hidden[r], tokens[r]): the last row's normed
   // hidden and logits (for tests and diagnostics).
-  std::tuple<std::vector<float>, std::vector<float>> logits(const mx::array& hidden, const std::vector<int>& tokens);
+  std::tuple<std::vector<float>, std::vector<float>> logits(const mx::array& hidden, const std::vector<int>& tokens,
+                                                            int row);
 
  private:
-  // Raise std::invalid_argument (Python's ValueError) unless `hidden` holds
-  // one row per token and every token is in the vocabulary.
-  void check_pairs(const mx::array& hidden, const std::vector<int>& tokens) const;
-  // `hidden`, checked, as an evaluated row-contiguous float32 array.
-  mx::array rows_of(const mx::array& hidden, const std::vector<int>& tokens) const;
+  // Raise std::invalid_argument (Python's ValueError) unless `hidden` has a
+  // row `row` with a position for every token, and every token is in the
+  // vocabulary.
+  void check_pairs(const mx::array& hidden, const std::vector<int>& tokens, int row) const;
+  // The pairs' hiddens, checked, read into float32 on the host (`hidden` is
+  // evaluated first if it is not yet).
+  std::vector<float> rows_of(const mx::array& hidden, const std::vector<int>& tokens, int row) const;
   void reserve(int positions);
   // x[rows] += the MoE block of a[rows] (normed inputs).
   void moe(const HeadLayer& L, const float* a, int rows, float* x) const;
@@ -377,15 +388,15 @@ static std::tuple<int, float> top1(const std::vector<float>& logits) {
 
 std::tuple<std::vector<int>, std::vector<float>> DraftSession::draft(const mx::array& hidden,
                                                                      const std::vector<int>& tokens, int k,
-                                                                     float tau) {
+                                                                     float tau, int row) {
   const HeadConfig& c = head_.config();
   if (k < 1) throw std::invalid_argument("k must be >= 1, got " + std::to_string(k));
-  const mx::array rows = rows_of(hidden, tokens);
+  const std::vector<float> rows = rows_of(hidden, tokens, row);
   std::vector<float> m(c.dim), next(c.dim), logits(c.vocab);
   std::vector<int> drafts;
   std::vector<float> probs;
   nb::gil_scoped_release release;
-  forward(rows.data<float>(), tokens, m.data(), logits.data());
+  forward(rows.data(), tokens, m.data(), logits.data());
   float confidence = 1.0f;
   while (true) {
     auto [token, p] = top1(logits);
@@ -399,35 +410,65 @@ std::tuple<std::vector<int>, std::vector<float>> DraftSession::draft(const mx::a
   return {drafts, probs};
 }
 
-void DraftSession::check_pairs(const mx::array& hidden, const std::vector<int>& tokens) const {
+void DraftSession::check_pairs(const mx::array& hidden, const std::vector<int>& tokens, int row) const {
   const HeadConfig& c = head_.config();
-  const size_t n = tokens.size();
+  const int n = static_cast<int>(tokens.size());
   if (n < 1) throw std::invalid_argument("no pairs to consume");
-  if (hidden.size() != n * c.dim || hidden.shape().back() != c.dim) {
-    throw std::invalid_argument("hidden must hold one row of " + std::to_string(c.dim) + " values per pair (" +
-                                std::to_string(n) + " pairs), got " + std::to_string(hidden.size()) + " values");
+  const int nd = hidden.ndim();
+  if ((nd != 2 && nd != 3) || hidden.shape(-1) != c.dim || hidden.shape(-2) < n) {
+    throw std::invalid_argument("hidden must be [rows, positions, " + std::to_string(c.dim) + "] or [positions, " +
+                                std::to_string(c.dim) + "] with a position for each of the " + std::to_string(n) +
+                                " pairs, got shape " + shape_text(hidden));
+  }
+  const int rows = nd == 3 ? hidden.shape(0) : 1;
+  if (row < 0 || row >= rows) {
+    throw std::invalid_argument("row " + std::to_string(row) + " of hidden with " + std::to_string(rows) + " rows");
+  }
+  if (hidden.dtype() != mx::float32 && hidden.dtype() != mx::bfloat16 && hidden.dtype() != mx::float16) {
+    throw std::invalid_argument("hidden must be float32, bfloat16 or float16");
   }
   for (int t : tokens) {
     if (t < 0 || t >= c.vocab) throw std::invalid_argument("token " + std::to_string(t) + " outside the vocabulary");
   }
 }
 
-mx::array DraftSession::rows_of(const mx::array& hidden, const std::vector<int>& tokens) const {
-  check_pairs(hidden, tokens);
-  mx::array rows = hidden.dtype() == mx::float32 ? hidden : mx::astype(hidden, mx::float32);
-  if (!rows.is_available() || !rows.flags().row_contiguous) {
-    rows = mx::contiguous(rows);
-    mx::eval({rows});
+// Positions 0..n of row `row` of an evaluated [rows, T, dim] (or [T, dim])
+// array, any strides, into out[n * dim] as float32.
+template <typename T>
+static void read_rows_as(const mx::array& a, int row, int n, int dim, float* out) {
+  const T* base = a.data<T>();
+  const bool three = a.ndim() == 3;
+  const int64_t s_row = three ? a.strides()[0] : 0, s_pos = a.strides()[three ? 1 : 0],
+                s_dim = a.strides()[three ? 2 : 1];
+  for (int t = 0; t < n; t++) {
+    const T* p = base + row * s_row + t * s_pos;
+    for (int d = 0; d < dim; d++) out[(size_t)t * dim + d] = static_cast<float>(p[d * s_dim]);
   }
+}
+
+static void read_rows(const mx::array& a, int row, int n, int dim, float* out) {
+  switch (a.dtype()) {
+    case mx::float32: return read_rows_as<float>(a, row, n, dim, out);
+    case mx::bfloat16: return read_rows_as<mx::bfloat16_t>(a, row, n, dim, out);
+    default: return read_rows_as<mx::float16_t>(a, row, n, dim, out);
+  }
+}
+
+std::vector<float> DraftSession::rows_of(const mx::array& hidden, const std::vector<int>& tokens, int row) const {
+  check_pairs(hidden, tokens, row);
+  if (!hidden.is_available()) mx::eval({hidden});
+  const int n = static_cast<int>(tokens.size()), dim = head_.config().dim;
+  std::vector<float> rows(static_cast<size_t>(n) * dim);
+  read_rows(hidden, row, n, dim, rows.data());
   return rows;
 }
 
 std::tuple<std::vector<float>, std::vector<float>> DraftSession::logits(const mx::array& hidden,
-                                                                        const std::vector<int>& tokens) {
+                                                                        const std::vector<int>& tokens, int row) {
   const HeadConfig& c = head_.config();
-  const mx::array rows = rows_of(hidden, tokens);
+  const std::vector<float> rows = rows_of(hidden, tokens, row);
   std::vector<float> m(c.dim), logits(c.vocab);
-  forward(rows.data<float>(), tokens, m.data(), logits.data());
+  forward(rows.data(), tokens, m.data(), logits.data());
   return {m, logits};
 }
 
@@ -445,8 +486,10 @@ void DraftSession::chain(const float* hidden, const std::vector<int>& tokens, in
 
 class DraftChain : public mx::Primitive {
  public:
-  DraftChain(mx::Stream stream, std::shared_ptr<DraftSession> session, std::vector<int> tokens, int k)
-      : mx::Primitive(stream), session_(std::move(session)), tokens_(std::move(tokens)), k_(k) {}
+  DraftChain(mx::Stream stream, std::shared_ptr<DraftSession> session, std::vector<int> tokens, int k, int row,
+             int dim)
+      : mx::Primitive(stream), session_(std::move(session)), tokens_(std::move(tokens)), k_(k), row_(row),
+        dim_(dim) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     auto& hidden = inputs[0];
@@ -455,8 +498,12 @@ class DraftChain : public mx::Primitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(hidden);
     encoder.set_output_array(out);
-    encoder.dispatch([session = session_, tokens = tokens_, k = k_, h = hidden.data<float>(),
-                      o = out.data<int32_t>()]() { session->chain(h, tokens, k, o); });
+    encoder.dispatch([session = session_, tokens = tokens_, k = k_, row = row_, dim = dim_, hidden,
+                      o = out.data<int32_t>()]() {
+      std::vector<float> rows(tokens.size() * dim);
+      read_rows(hidden, row, static_cast<int>(tokens.size()), dim, rows.data());
+      session->chain(rows.data(), tokens, k, o);
+    });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("draft chains run on the CPU only");
@@ -467,17 +514,15 @@ class DraftChain : public mx::Primitive {
  private:
   std::shared_ptr<DraftSession> session_;
   std::vector<int> tokens_;
-  int k_;
+  int k_, row_, dim_;
 };
 
-mx::array DraftSession::draft_lazy(const mx::array& hidden, const std::vector<int>& tokens, int k) {
-  const HeadConfig& c = head_.config();
+mx::array DraftSession::draft_lazy(const mx::array& hidden, const std::vector<int>& tokens, int k, int row) {
   if (k < 1) throw std::invalid_argument("k must be >= 1, got " + std::to_string(k));
-  check_pairs(hidden, tokens);
+  check_pairs(hidden, tokens, row);
   auto s = mx::default_stream(mx::Device::cpu);
-  const int n = static_cast<int>(tokens.size());
-  mx::array rows = mx::contiguous(mx::astype(mx::reshape(hidden, {n, c.dim}, s), mx::float32, s), false, s);
-  return mx::array({1, k}, mx::int32, std::make_shared<DraftChain>(s, shared_from_this(), tokens, k), {rows});
+  return mx::array({1, k}, mx::int32,
+                   std::make_shared<DraftChain>(s, shared_from_this(), tokens, k, row, head_.config().dim), {hidden});
 }
 
 }  // namespace mtp
@@ -504,9 +549,9 @@ NB_MODULE(_mtp_draft, m) {
   nb::class_<mtp::DraftSession>(m, "DraftSession")
       .def_prop_ro("offset", &mtp::DraftSession::offset)
       .def("rewind", &mtp::DraftSession::rewind, "offset"_a)
-      .def("draft", &mtp::DraftSession::draft, "hidden"_a, "tokens"_a, "k"_a, "tau"_a = 0.0f)
-      .def("logits", &mtp::DraftSession::logits, "hidden"_a, "tokens"_a)
-      .def("draft_lazy", &mtp::DraftSession::draft_lazy, "hidden"_a, "tokens"_a, "k"_a);
+      .def("draft", &mtp::DraftSession::draft, "hidden"_a, "tokens"_a, "k"_a, "tau"_a = 0.0f, "row"_a = 0)
+      .def("logits", &mtp::DraftSession::logits, "hidden"_a, "tokens"_a, "row"_a = 0)
+      .def("draft_lazy", &mtp::DraftSession::draft_lazy, "hidden"_a, "tokens"_a, "k"_a, "row"_a = 0);
   nb::class_<mtp::DraftHead>(m, "DraftHead")
       .def(nb::new_([](std::unordered_map<std::string, mlx::core::array> weights, const mtp::HeadConfig& config) {
              return std::make_shared<mtp::DraftHead>(std::move(weights), config);

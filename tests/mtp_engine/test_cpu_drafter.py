@@ -135,8 +135,12 @@ def test_bad_input_is_named(tiny_engine):
     h = mx.zeros((1, dim))
     with pytest.raises(ValueError, match=f"token {vocab} outside the vocabulary"):
         session.draft(h, [vocab], 2)
-    with pytest.raises(ValueError, match=r"hidden must hold one row of \d+ values per pair \(1 pairs\), got"):
-        session.draft(mx.zeros((2, dim)), [1], 2)
+    with pytest.raises(ValueError, match=r"hidden must be \[rows, positions, \d+\].*got shape \(1, 65\)"):
+        session.draft(mx.zeros((1, dim + 1)), [1], 2)
+    with pytest.raises(ValueError, match="a position for each of the 2 pairs"):
+        session.draft(h, [1, 2], 2)
+    with pytest.raises(ValueError, match="row 3 of hidden with 2 rows"):
+        session.draft(mx.zeros((2, 1, dim)), [1], 2, 0.0, 3)
     with pytest.raises(ValueError, match="k must be >= 1"):
         session.draft(h, [1], 0)
     # The lazy chain checks when it is made, not on MLX's stream.
@@ -195,3 +199,21 @@ def test_a_lazy_draft_keeps_its_session_alive(tiny_engine):
     del head, session
     gc.collect()
     assert lazy.tolist() == [want]
+
+
+def test_pairs_are_read_from_any_row_dtype_and_layout(tiny_engine):
+    # The verify forward's hiddens are [P, K+1, dim]; the head reads the winning
+    # row's first positions in place, whatever the dtype or strides.
+    ids, hidden = prompt_hidden(tiny_engine, "import os\nimport sys")
+    pairs = ids[1:5]
+    head = tiny_engine.native_drafter.head
+    _, want = head.session().logits(hidden[0, :4], pairs)
+    padded = mx.concatenate([mx.zeros_like(hidden), hidden, mx.ones_like(hidden)])  # rows 0..2, ours is 1
+    strided = mx.swapaxes(mx.contiguous(mx.swapaxes(padded, 1, 2)), 1, 2)  # same values, other strides
+    for source in (padded, strided):
+        _, got = head.session().logits(source, pairs, 1)
+        assert got == want
+        assert head.session().draft_lazy(source, pairs, 3, 1).tolist()[0] == head.session().draft(hidden[0], pairs, 3)[0]
+    _, half = head.session().logits(padded.astype(mx.bfloat16), pairs, 1)
+    _, rounded = head.session().logits(hidden[0, :4].astype(mx.bfloat16).astype(mx.float32), pairs)
+    assert half == rounded
