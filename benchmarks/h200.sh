@@ -21,7 +21,7 @@
 #   bash benchmarks/h200.sh 80b-32k   # 80B-A3B shapes, forward costs and peak memory at 32K (one prefill)
 #   bash benchmarks/h200.sh distill-variants # MTP head self-distillation, hard_weight 0 / 0.5 / 1 (110 s each), chain modes of each
 #   bash benchmarks/h200.sh distill   # distill SOURCE (default the shipped model) for DISTILL_SECONDS, then the lazy chain suite on it
-#   bash benchmarks/h200.sh host-drafts # shipped model, chain modes with drafts on the host CPU (C++ head) and on the GPU, 2 rounds each
+#   bash benchmarks/h200.sh host-drafts # shipped model, chain modes drafted on the host CPU (C++ head) and on the GPU (MLX), one run
 #                                       # (needs _mtp_draft built for the GPU machine's Python in $EXT_DIR:
 #                                       #  bash benchmarks/build_host_draft_ext.sh builds it into .gpu-stage/b/ext)
 #
@@ -34,16 +34,12 @@ mkdir -p "$out"
 export PYTHONPATH=/root/site:$PWD
 bench="python3 -u -m mtp_engine.bench"
 case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
-  host-drafts)
+  host-drafts)  # host (C++) and MLX drafts side by side in one run
     cp "${EXT_DIR:?folder holding _mtp_draft*.so}"/_mtp_draft*.so /root/site/
     python3 -c "import _mtp_draft; print('extension ok')" || exit 1
-    timeout 60 python3 benchmarks/host_draft_probe.py; echo "probe exit $?"
-    for d in ${DRAFTERS:-host gpu}; do
-      flag=$([ $d = host ] && echo --host-drafts)
-      MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-240}" $bench --limit 8 --max-tokens 64 --rounds 2 \
-        --modes baseline chain-k2 chain-k4 chain-k6 adaptive-k5 --batch-sizes $flag \
-        --json "$out/host-drafts-$d.json" 2>&1 | tee "$out/host-drafts-$d.log"
-    done ;;
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-400}" $bench --limit 8 --max-tokens 64 --rounds 2 --host-drafts \
+      --modes baseline chain-k2 chain-k4 chain-k6 chain-k4-mlxdraft chain-k6-mlxdraft adaptive-k5 --batch-sizes \
+      --json "$out/host-drafts.json" 2>&1 | tee "$out/host-drafts.log" ;;
   shipped)
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-330}" $bench --limit 8 --max-tokens 64 --rounds 1 \
       --batch-limit 32 --json "$out/h200-shipped.json" 2>&1 | tee "$out/h200-shipped.log" ;;

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-faulthandler.dump_traceback_later(int(os.environ.get("WATCHDOG", "40")), exit=True)
+faulthandler.dump_traceback_later(int(os.environ.get("WATCHDOG", "180")), exit=True)  # a cold GPU JIT-compiles for tens of seconds
 
 from mtp_engine import MTPEngine  # noqa: E402
 

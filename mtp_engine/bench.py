@@ -42,6 +42,9 @@ MODE_SPECS = {
     "chain-k3": dict(mode="chain", draft_tokens=3),
     "chain-k4": dict(mode="chain", draft_tokens=4),
     "chain-k6": dict(mode="chain", draft_tokens=6),
+    # The same chains drafted by the MLX head, where the C++ one is the default.
+    "chain-k4-mlxdraft": dict(mode="chain", draft_tokens=4, drafter="mlx"),
+    "chain-k6-mlxdraft": dict(mode="chain", draft_tokens=6, drafter="mlx"),
     "adaptive-k5": dict(mode="adaptive", draft_tokens=5, tau=0.5),
     "tree-k3": dict(mode="tree", draft_tokens=3),
     "adaptive_tree-k5": dict(mode="adaptive_tree", draft_tokens=5, tau=0.5),
@@ -261,8 +264,8 @@ def cost_model(costs: dict, rows: list[dict], totals: dict | None = None) -> dic
     }
     for row in rows:
         p = row["params"] or {}
-        if p.get("mode") != "chain" or not row["acceptance_length"]:
-            continue
+        if p.get("mode") != "chain" or p.get("drafter") == "mlx" or not row["acceptance_length"]:
+            continue  # the cost model times the default chain drafter
         k = p["draft_tokens"]
         step = k * costs["mtp_step_s"] + v.get(k + 1, t1)
         predicted = row["acceptance_length"] * t1 / step

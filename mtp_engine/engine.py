@@ -36,6 +36,10 @@ from mtp_engine.stopping import Finisher, stop_list
 from schemas.records import GenerationResult, GenerationStats, StepTrace
 
 
+DRAFTERS = ("auto", "mlx", "c++")
+"""Who may draft a generation's chain and adaptive modes (`MTPEngine.generate`)."""
+
+
 class PromptTooLongError(ValueError):
     """The prompt does not fit the model's context."""
 
@@ -198,6 +202,7 @@ class MTPEngine:
         stop: str | list[str] | None = None,
         trace: bool = False,
         tree_pos2: bool = True,
+        drafter: str = "auto",
     ) -> GenerationResult:
         """Decode one prompt greedily.
 
@@ -212,6 +217,9 @@ class MTPEngine:
             stop: Stop string(s); the text is cut before the first one.
             trace: Record every verify step in ``result.trace``.
             tree_pos2: "tree" mode adds the branch at draft position 2.
+            drafter: Who drafts chain and adaptive modes: "auto" (the C++
+                head where the engine has it, see `drafter_for`), "mlx" or
+                "c++". It changes speed, never the output.
 
         Returns:
             A `GenerationResult`.
@@ -223,6 +231,9 @@ class MTPEngine:
         spec = DecodeConfig(
             mode=mode, draft_tokens=draft_tokens, tau=tau, paths=paths, tree_pos2=tree_pos2
         )
+        if drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))}, got {drafter!r}")
+        chosen = self.drafter_for(spec.mode, drafter) if spec.speculative else None
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         stops = stop_list(stop)
@@ -245,7 +256,7 @@ class MTPEngine:
         finisher.add([x])
         if not finisher.done:
             if spec.speculative:
-                self._speculate(spec, ids, prompt_hidden, x, caches, finisher, stats, steps)
+                self._speculate(spec, chosen, ids, prompt_hidden, x, caches, finisher, stats, steps)
             else:
                 self._plain(x, caches, finisher, stats)
         t2 = time.perf_counter()
@@ -314,15 +325,25 @@ class MTPEngine:
             if stats.steps % 256 == 0:
                 mx.clear_cache()
 
-    def drafter_for(self, mode: str) -> MTPDrafter | NativeDrafter:
-        """The drafter a mode uses: the C++ one for chain and adaptive drafts
-        when the engine has it, else the MLX one."""
-        if self.native_drafter is not None and mode in ("chain", "adaptive"):
+    def drafter_for(self, mode: str, choice: str = "auto") -> MTPDrafter | NativeDrafter:
+        """The drafter a mode uses. "auto": the C++ one for chain and
+        adaptive drafts when the engine has it, else the MLX one; "mlx";
+        "c++" (a ValueError where the engine has none or the mode forks)."""
+        native_ok = self.native_drafter is not None and mode in ("chain", "adaptive")
+        if choice == "auto":
+            return self.native_drafter if native_ok else self.drafter
+        if choice == "mlx":
+            return self.drafter
+        if choice == "c++":
+            if not native_ok:
+                raise ValueError(
+                    f"no C++ drafter for mode {mode!r}: it drafts chain and adaptive modes on the CPU "
+                    "backend (or with host_drafts=True) when the _mtp_draft extension is built"
+                )
             return self.native_drafter
-        return self.drafter
+        raise ValueError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))}, got {choice!r}")
 
-    def _speculate(self, spec, ids, prompt_hidden, x, caches, finisher, stats, steps) -> None:
-        drafter = self.drafter_for(spec.mode)
+    def _speculate(self, spec, drafter, ids, prompt_hidden, x, caches, finisher, stats, steps) -> None:
         state = drafter.new_state()
         # Pairs (H_0, t_1) .. (H_{n-1}, x): the prompt's MTP prefill and the
         # first draft's input, consumed by the first draft forward.

@@ -96,11 +96,7 @@ def test_decoding_with_cpp_drafts_equals_plain_decoding(tiny_path, mode, k):
         plain = engine.generate(prompt, max_tokens=40, mode="baseline")
         fast = engine.generate(prompt, max_tokens=40, mode=mode, draft_tokens=k)
         assert fast.tokens == plain.tokens
-        engine.native_drafter, kept = None, engine.native_drafter
-        try:
-            slow = engine.generate(prompt, max_tokens=40, mode=mode, draft_tokens=k)
-        finally:
-            engine.native_drafter = kept
+        slow = engine.generate(prompt, max_tokens=40, mode=mode, draft_tokens=k, drafter="mlx")
         # Same drafts, so the same verify steps and acceptance.
         assert (fast.stats.steps, fast.stats.accepted) == (slow.stats.steps, slow.stats.accepted)
         assert fast.stats.accepted > 0
@@ -109,6 +105,10 @@ def test_decoding_with_cpp_drafts_equals_plain_decoding(tiny_path, mode, k):
 def test_tree_modes_keep_the_mlx_drafter(tiny_engine):
     for mode in ("tree", "adaptive_tree", "paths"):
         assert tiny_engine.drafter_for(mode) is tiny_engine.drafter
+        with pytest.raises(ValueError, match=f"no C\\+\\+ drafter for mode '{mode}'"):
+            tiny_engine.generate("x", max_tokens=4, mode=mode, drafter="c++")
+    with pytest.raises(ValueError, match="drafter must be one of 'auto', 'mlx', 'c\\+\\+', got 'gpu'"):
+        tiny_engine.generate("x", max_tokens=4, mode="baseline", drafter="gpu")
 
 
 def test_commit_rewinds_the_drafted_entries(tiny_engine):
