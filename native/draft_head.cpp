@@ -81,7 +81,7 @@ static inline float silu(float x) { return x * sigmoid(x); }
 
 static std::string shape_text(const mx::array& a) {
   std::string out = "(";
-  for (int i = 0; i < a.ndim(); i++) out += (i ? ", " : "") + std::to_string(a.shape(i));
+  for (int i = 0; i < static_cast<int>(a.ndim()); i++) out += (i ? ", " : "") + std::to_string(a.shape(i));
   return out + (a.ndim() == 1 ? ",)" : ")");
 }
 
