@@ -25,10 +25,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 # module: (sources, extra C++ flags, what it is). _mtp_gdn must round exactly
-# as MLX's own CPU ops (which never fuse a multiply-add): no -march=native,
-# whose FMA would let the compiler fuse them. Drafts need not be bit-exact.
+# as MLX's own CPU ops, which never fuse a multiply-add: -ffp-contract=off, so
+# -march=native's FMA cannot fuse them either. Drafts need not be bit-exact.
 MODULES = {
-    "_mtp_gdn": (["gdn_tokens.cpp"], ["-ffp-contract=off"], "the gated-delta recurrence as one MLX CPU primitive"),
+    "_mtp_gdn": (["gdn_tokens.cpp"], ["-march=native", "-ffp-contract=off"],
+                 "the gated-delta recurrence as one MLX CPU primitive"),
     "_mtp_draft": (["draft_head.cpp", "few_rows.c"], ["-march=native"], "the MTP head's draft steps in C++"),
 }
 

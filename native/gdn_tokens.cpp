@@ -16,6 +16,7 @@
 //   y_i = sum_j S_ij q_j
 // as mlx-lm's `_gated_delta_step_ops` with a scalar gate per head.
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -57,14 +58,25 @@ class GatedDeltaTokens : public mx::Primitive {
   bool keep_states_;
 };
 
+// The state is kept transposed (sT[j][i] = S[i][j]) while the tokens run, so
+// the loops over j step through every value row i at once: the compiler
+// vectorizes over i, and each S[i][j] and each running sum over j still sees
+// the same operations in the same order as the row-by-row loops of
+// `_gated_delta_step_ops` (built with -ffp-contract=off: nothing is fused).
 static void run(const float* q, const float* k, const float* v, const float* g, const float* beta,
                 const float* state, float* y, float* states, int B, int T, int H, int Dk, int Dv,
                 bool keep_states) {
   const size_t sz = static_cast<size_t>(Dv) * Dk;
-  std::vector<float> s(sz), delta(Dv);
+  std::vector<float> sT(sz), kv(Dv), delta(Dv), out(Dv);
+  auto save = [&](float* dst) {  // sT back to S's layout [Dv][Dk]
+    for (int i = 0; i < Dv; ++i)
+      for (int j = 0; j < Dk; ++j) dst[static_cast<size_t>(i) * Dk + j] = sT[static_cast<size_t>(j) * Dv + i];
+  };
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < H; ++h) {
-      std::memcpy(s.data(), state + (static_cast<size_t>(b) * H + h) * sz, sz * sizeof(float));
+      const float* s0 = state + (static_cast<size_t>(b) * H + h) * sz;
+      for (int i = 0; i < Dv; ++i)
+        for (int j = 0; j < Dk; ++j) sT[static_cast<size_t>(j) * Dv + i] = s0[static_cast<size_t>(i) * Dk + j];
       for (int t = 0; t < T; ++t) {
         const size_t bth = (static_cast<size_t>(b) * T + t) * H + h;
         const float* qt = q + bth * Dk;
@@ -73,24 +85,31 @@ static void run(const float* q, const float* k, const float* v, const float* g, 
         const float gt = g[bth];
         const float bt = beta[bth];
         float* yt = y + bth * Dv;
-        for (int i = 0; i < Dv; ++i) {
-          float* row = s.data() + static_cast<size_t>(i) * Dk;
-          float kv = 0.0f;
-          for (int j = 0; j < Dk; ++j) {
-            row[j] *= gt;
-            kv += row[j] * kt[j];
+        // S = S * g;  kv_i = sum_j S_ij k_j  (j in order)
+        std::fill(kv.begin(), kv.end(), 0.0f);
+        for (int j = 0; j < Dk; ++j) {
+          float* col = sT.data() + static_cast<size_t>(j) * Dv;
+          const float kj = kt[j];
+          for (int i = 0; i < Dv; ++i) {
+            col[i] *= gt;
+            kv[i] += col[i] * kj;
           }
-          const float d = (vt[i] - kv) * bt;
-          float out = 0.0f;
-          for (int j = 0; j < Dk; ++j) {
-            row[j] += kt[j] * d;
-            out += row[j] * qt[j];
-          }
-          yt[i] = out;
         }
+        for (int i = 0; i < Dv; ++i) delta[i] = (vt[i] - kv[i]) * bt;
+        // S_ij += k_j d_i;  y_i = sum_j S_ij q_j  (j in order)
+        std::fill(out.begin(), out.end(), 0.0f);
+        for (int j = 0; j < Dk; ++j) {
+          float* col = sT.data() + static_cast<size_t>(j) * Dv;
+          const float kj = kt[j], qj = qt[j];
+          for (int i = 0; i < Dv; ++i) {
+            col[i] += kj * delta[i];
+            out[i] += col[i] * qj;
+          }
+        }
+        std::memcpy(yt, out.data(), sizeof(float) * Dv);
         if (keep_states || t == T - 1) {
           const size_t slot = keep_states ? t : 0;
-          std::memcpy(states + ((slot * B + b) * H + h) * sz, s.data(), sz * sizeof(float));
+          save(states + ((slot * B + b) * H + h) * sz);
         }
       }
     }
