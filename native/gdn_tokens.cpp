@@ -58,12 +58,54 @@ class GatedDeltaTokens : public mx::Primitive {
   bool keep_states_;
 };
 
-// The state is kept transposed (sT[j][i] = S[i][j]) while the tokens run, so
-// the loops over j step through every value row i at once: the compiler
-// vectorizes over i, and each S[i][j] and each running sum over j still sees
-// the same operations in the same order as the row-by-row loops of
-// `_gated_delta_step_ops` (built with -ffp-contract=off: nothing is fused).
-static void run(const float* q, const float* k, const float* v, const float* g, const float* beta,
+// Few tokens (decode, verify): row by row, as `_gated_delta_step_ops` sums.
+static void run_rows(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                const float* state, float* y, float* states, int B, int T, int H, int Dk, int Dv,
+                bool keep_states) {
+  const size_t sz = static_cast<size_t>(Dv) * Dk;
+  std::vector<float> s(sz), delta(Dv);
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < H; ++h) {
+      std::memcpy(s.data(), state + (static_cast<size_t>(b) * H + h) * sz, sz * sizeof(float));
+      for (int t = 0; t < T; ++t) {
+        const size_t bth = (static_cast<size_t>(b) * T + t) * H + h;
+        const float* qt = q + bth * Dk;
+        const float* kt = k + bth * Dk;
+        const float* vt = v + bth * Dv;
+        const float gt = g[bth];
+        const float bt = beta[bth];
+        float* yt = y + bth * Dv;
+        for (int i = 0; i < Dv; ++i) {
+          float* row = s.data() + static_cast<size_t>(i) * Dk;
+          float kv = 0.0f;
+          for (int j = 0; j < Dk; ++j) {
+            row[j] *= gt;
+            kv += row[j] * kt[j];
+          }
+          const float d = (vt[i] - kv) * bt;
+          float out = 0.0f;
+          for (int j = 0; j < Dk; ++j) {
+            row[j] += kt[j] * d;
+            out += row[j] * qt[j];
+          }
+          yt[i] = out;
+        }
+        if (keep_states || t == T - 1) {
+          const size_t slot = keep_states ? t : 0;
+          std::memcpy(states + ((slot * B + b) * H + h) * sz, s.data(), sz * sizeof(float));
+        }
+      }
+    }
+  }
+}
+
+// Many tokens (prefill): the state is kept transposed (sT[j][i] = S[i][j])
+// while the tokens run, so the loops over j step through every value row i
+// at once: the compiler vectorizes over i, and each S[i][j] and each running
+// sum over j still sees the same operations in the same order as in
+// run_rows (built with -ffp-contract=off: nothing is fused). Transposing
+// the state in and out costs more than it saves for a few tokens.
+static void run_transposed(const float* q, const float* k, const float* v, const float* g, const float* beta,
                 const float* state, float* y, float* states, int B, int T, int H, int Dk, int Dv,
                 bool keep_states) {
   const size_t sz = static_cast<size_t>(Dv) * Dk;
@@ -114,6 +156,16 @@ static void run(const float* q, const float* k, const float* v, const float* g, 
       }
     }
   }
+}
+
+// From this many tokens on, run_transposed (same numbers, faster).
+constexpr int TRANSPOSED_FROM = 8;
+
+static void run(const float* q, const float* k, const float* v, const float* g, const float* beta,
+                const float* state, float* y, float* states, int B, int T, int H, int Dk, int Dv,
+                bool keep_states) {
+  (T >= TRANSPOSED_FROM ? run_transposed : run_rows)(q, k, v, g, beta, state, y, states, B, T, H, Dk, Dv,
+                                                       keep_states);
 }
 
 void GatedDeltaTokens::eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) {

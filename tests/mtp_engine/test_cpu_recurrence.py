@@ -37,8 +37,10 @@ def ops_reference(q, k, v, g, beta, state):
     return mx.stack(ys, axis=1), mx.stack(states)
 
 
+# T >= 8 takes the primitive's transposed-state loops (prefill), fewer tokens
+# the row-by-row ones; both must give mlx-lm's numbers.
 @pytest.mark.parametrize("B, T, H, Dk, Dv", [(1, 1, 4, 64, 64), (2, 5, 4, 16, 16), (1, 9, 2, 128, 128),
-                                             (3, 4, 8, 32, 64)])
+                                             (3, 4, 8, 32, 64), (2, 12, 4, 64, 64), (1, 33, 2, 16, 32)])
 def test_equals_mlx_lm_ops_bit_for_bit(B, T, H, Dk, Dv):
     args = inputs(B, T, H, Dk, Dv)
     y, states = cpu_recurrence.gated_delta_tokens(*args, keep_states=True)
@@ -60,6 +62,20 @@ def test_last_state_only_and_one_token_launches_agree():
         y1, s1 = cpu_recurrence.gated_delta_tokens(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], s, False)
         assert mx.array_equal(y1[:, 0], y[:, t]).item() and mx.array_equal(s1[0], states[t]).item()
         s = s1[0]
+
+
+def test_a_prefill_launch_equals_one_token_launches():
+    # 20 tokens in one launch (transposed-state loops) against 20 launches of
+    # one token (row-by-row loops), as a prompt's prefill and plain decoding.
+    q, k, v, g, beta, state = inputs(1, 20, 4, 64, 64, seed=7)
+    y, last = cpu_recurrence.gated_delta_tokens(q, k, v, g, beta, state, keep_states=False)
+    s = state
+    for t in range(20):
+        sl = slice(t, t + 1)
+        y1, s1 = cpu_recurrence.gated_delta_tokens(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], s, False)
+        assert mx.array_equal(y1[:, 0], y[:, t]).item()
+        s = s1[0]
+    assert mx.array_equal(s, last[0]).item()
 
 
 def test_inside_compile_and_on_strided_inputs():
