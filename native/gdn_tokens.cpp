@@ -58,114 +58,102 @@ class GatedDeltaTokens : public mx::Primitive {
   bool keep_states_;
 };
 
-// Few tokens (decode, verify): row by row, as `_gated_delta_step_ops` sums.
-static void run_rows(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                const float* state, float* y, float* states, int B, int T, int H, int Dk, int Dv,
-                bool keep_states) {
-  const size_t sz = static_cast<size_t>(Dv) * Dk;
-  std::vector<float> s(sz), delta(Dv);
-  for (int b = 0; b < B; ++b) {
-    for (int h = 0; h < H; ++h) {
-      std::memcpy(s.data(), state + (static_cast<size_t>(b) * H + h) * sz, sz * sizeof(float));
-      for (int t = 0; t < T; ++t) {
-        const size_t bth = (static_cast<size_t>(b) * T + t) * H + h;
-        const float* qt = q + bth * Dk;
-        const float* kt = k + bth * Dk;
-        const float* vt = v + bth * Dv;
-        const float gt = g[bth];
-        const float bt = beta[bth];
-        float* yt = y + bth * Dv;
-        for (int i = 0; i < Dv; ++i) {
-          float* row = s.data() + static_cast<size_t>(i) * Dk;
-          float kv = 0.0f;
-          for (int j = 0; j < Dk; ++j) {
-            row[j] *= gt;
-            kv += row[j] * kt[j];
-          }
-          const float d = (vt[i] - kv) * bt;
-          float out = 0.0f;
-          for (int j = 0; j < Dk; ++j) {
-            row[j] += kt[j] * d;
-            out += row[j] * qt[j];
-          }
-          yt[i] = out;
-        }
-        if (keep_states || t == T - 1) {
-          const size_t slot = keep_states ? t : 0;
-          std::memcpy(states + ((slot * B + b) * H + h) * sz, s.data(), sz * sizeof(float));
-        }
-      }
+// One token's inputs and output.
+struct Token {
+  const float *q, *k, *v;
+  float g, beta;
+  float* y;
+};
+
+// One token on S in its own layout [Dv][Dk], row by row, as
+// `_gated_delta_step_ops` sums (decode, verify).
+static void step_rows(float* s, const Token& t, int Dk, int Dv) {
+  for (int i = 0; i < Dv; ++i) {
+    float* row = s + static_cast<size_t>(i) * Dk;
+    float kv = 0.0f;
+    for (int j = 0; j < Dk; ++j) {
+      row[j] *= t.g;
+      kv += row[j] * t.k[j];
+    }
+    const float d = (t.v[i] - kv) * t.beta;
+    float out = 0.0f;
+    for (int j = 0; j < Dk; ++j) {
+      row[j] += t.k[j] * d;
+      out += row[j] * t.q[j];
+    }
+    t.y[i] = out;
+  }
+}
+
+// One token on S transposed, sT[j][i] = S[i][j] (prefill): the loops over j
+// step through every value row i at once, so the compiler vectorizes over i,
+// and each S[i][j] and each running sum over j still sees the same
+// operations in the same order as in step_rows (built with
+// -ffp-contract=off: nothing is fused). `kv` is scratch of Dv values.
+static void step_transposed(float* sT, const Token& t, int Dk, int Dv, float* kv) {
+  // S = S * g;  kv_i = sum_j S_ij k_j  (j in order)
+  std::fill(kv, kv + Dv, 0.0f);
+  for (int j = 0; j < Dk; ++j) {
+    float* col = sT + static_cast<size_t>(j) * Dv;
+    const float kj = t.k[j];
+    for (int i = 0; i < Dv; ++i) {
+      col[i] *= t.g;
+      kv[i] += col[i] * kj;
+    }
+  }
+  float* delta = kv;  // d_i = (v_i - kv_i) * beta, in place
+  for (int i = 0; i < Dv; ++i) delta[i] = (t.v[i] - kv[i]) * t.beta;
+  // S_ij += k_j d_i;  y_i = sum_j S_ij q_j  (j in order)
+  std::fill(t.y, t.y + Dv, 0.0f);
+  for (int j = 0; j < Dk; ++j) {
+    float* col = sT + static_cast<size_t>(j) * Dv;
+    const float kj = t.k[j], qj = t.q[j];
+    for (int i = 0; i < Dv; ++i) {
+      col[i] += kj * delta[i];
+      t.y[i] += col[i] * qj;
     }
   }
 }
 
-// Many tokens (prefill): the state is kept transposed (sT[j][i] = S[i][j])
-// while the tokens run, so the loops over j step through every value row i
-// at once: the compiler vectorizes over i, and each S[i][j] and each running
-// sum over j still sees the same operations in the same order as in
-// run_rows (built with -ffp-contract=off: nothing is fused). Transposing
-// the state in and out costs more than it saves for a few tokens.
-static void run_transposed(const float* q, const float* k, const float* v, const float* g, const float* beta,
-                const float* state, float* y, float* states, int B, int T, int H, int Dk, int Dv,
-                bool keep_states) {
-  const size_t sz = static_cast<size_t>(Dv) * Dk;
-  std::vector<float> sT(sz), kv(Dv), delta(Dv), out(Dv);
-  auto save = [&](float* dst) {  // sT back to S's layout [Dv][Dk]
-    for (int i = 0; i < Dv; ++i)
-      for (int j = 0; j < Dk; ++j) dst[static_cast<size_t>(i) * Dk + j] = sT[static_cast<size_t>(j) * Dv + i];
-  };
-  for (int b = 0; b < B; ++b) {
-    for (int h = 0; h < H; ++h) {
-      const float* s0 = state + (static_cast<size_t>(b) * H + h) * sz;
-      for (int i = 0; i < Dv; ++i)
-        for (int j = 0; j < Dk; ++j) sT[static_cast<size_t>(j) * Dv + i] = s0[static_cast<size_t>(i) * Dk + j];
-      for (int t = 0; t < T; ++t) {
-        const size_t bth = (static_cast<size_t>(b) * T + t) * H + h;
-        const float* qt = q + bth * Dk;
-        const float* kt = k + bth * Dk;
-        const float* vt = v + bth * Dv;
-        const float gt = g[bth];
-        const float bt = beta[bth];
-        float* yt = y + bth * Dv;
-        // S = S * g;  kv_i = sum_j S_ij k_j  (j in order)
-        std::fill(kv.begin(), kv.end(), 0.0f);
-        for (int j = 0; j < Dk; ++j) {
-          float* col = sT.data() + static_cast<size_t>(j) * Dv;
-          const float kj = kt[j];
-          for (int i = 0; i < Dv; ++i) {
-            col[i] *= gt;
-            kv[i] += col[i] * kj;
-          }
-        }
-        for (int i = 0; i < Dv; ++i) delta[i] = (vt[i] - kv[i]) * bt;
-        // S_ij += k_j d_i;  y_i = sum_j S_ij q_j  (j in order)
-        std::fill(out.begin(), out.end(), 0.0f);
-        for (int j = 0; j < Dk; ++j) {
-          float* col = sT.data() + static_cast<size_t>(j) * Dv;
-          const float kj = kt[j], qj = qt[j];
-          for (int i = 0; i < Dv; ++i) {
-            col[i] += kj * delta[i];
-            out[i] += col[i] * qj;
-          }
-        }
-        std::memcpy(yt, out.data(), sizeof(float) * Dv);
-        if (keep_states || t == T - 1) {
-          const size_t slot = keep_states ? t : 0;
-          save(states + ((slot * B + b) * H + h) * sz);
-        }
-      }
-    }
+// Copy a [rows][cols] matrix, transposing it when asked.
+static void copy_matrix(const float* src, float* dst, int rows, int cols, bool transpose) {
+  if (!transpose) {
+    std::memcpy(dst, src, sizeof(float) * static_cast<size_t>(rows) * cols);
+    return;
   }
+  for (int i = 0; i < rows; ++i)
+    for (int j = 0; j < cols; ++j) dst[static_cast<size_t>(j) * rows + i] = src[static_cast<size_t>(i) * cols + j];
 }
 
-// From this many tokens on, run_transposed (same numbers, faster).
+// From this many tokens on, the transposed state (same numbers, faster);
+// for fewer, transposing it in and out costs more than it saves.
 constexpr int TRANSPOSED_FROM = 8;
 
 static void run(const float* q, const float* k, const float* v, const float* g, const float* beta,
                 const float* state, float* y, float* states, int B, int T, int H, int Dk, int Dv,
                 bool keep_states) {
-  (T >= TRANSPOSED_FROM ? run_transposed : run_rows)(q, k, v, g, beta, state, y, states, B, T, H, Dk, Dv,
-                                                       keep_states);
+  const bool transposed = T >= TRANSPOSED_FROM;
+  const size_t sz = static_cast<size_t>(Dv) * Dk;
+  std::vector<float> s(sz), kv(Dv);
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < H; ++h) {
+      copy_matrix(state + (static_cast<size_t>(b) * H + h) * sz, s.data(), Dv, Dk, transposed);
+      for (int t = 0; t < T; ++t) {
+        const size_t bth = (static_cast<size_t>(b) * T + t) * H + h;
+        const Token tok{q + bth * Dk, k + bth * Dk, v + bth * Dv, g[bth], beta[bth], y + bth * Dv};
+        if (transposed) {
+          step_transposed(s.data(), tok, Dk, Dv, kv.data());
+        } else {
+          step_rows(s.data(), tok, Dk, Dv);
+        }
+        if (keep_states || t == T - 1) {
+          const size_t slot = keep_states ? t : 0;
+          copy_matrix(s.data(), states + ((slot * B + b) * H + h) * sz, transposed ? Dk : Dv,
+                      transposed ? Dv : Dk, transposed);
+        }
+      }
+    }
+  }
 }
 
 void GatedDeltaTokens::eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) {
