@@ -130,9 +130,12 @@ class DraftSession : public std::enable_shared_from_this<DraftSession> {
   // session alive; leave the session alone until the array is evaluated.
   mx::array draft_lazy(const mx::array& hidden, const std::vector<int>& tokens, int k, int row);
 
-  // Consume the pairs and draft k tokens greedily into `out` (the work of
-  // draft() without its checks).
-  void chain(const float* hidden, const std::vector<int>& tokens, int k, int* out);
+  // The work of draft() and of a lazy chain, without their checks: consume
+  // the pairs, then draft greedily, up to k tokens, stopping early once the
+  // running product of top-1 probabilities is below tau (tau 0: always k,
+  // and no probability is computed unless `probs` asks for them).
+  std::vector<int> greedy(const float* hidden, const std::vector<int>& tokens, int k, float tau,
+                          std::vector<float>* probs);
 
   // One forward over pairs (hidden[r], tokens[r]): the last row's normed
   // hidden and logits (for tests and diagnostics).
@@ -379,34 +382,43 @@ void DraftSession::forward(const float* hidden, const std::vector<int>& tokens, 
   linear(head_.lm_head, c.vocab, dim, m, 1, logits);
 }
 
-static std::tuple<int, float> top1(const std::vector<float>& logits) {
-  const int best = static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+// The softmax probability of logits[best], the largest logit.
+static float top_probability(const std::vector<float>& logits, int best) {
   float total = 0.0f;
   for (float l : logits) total += std::exp(l - logits[best]);
-  return {best, 1.0f / total};
+  return 1.0f / total;
+}
+
+std::vector<int> DraftSession::greedy(const float* hidden, const std::vector<int>& tokens, int k, float tau,
+                                      std::vector<float>* probs) {
+  const HeadConfig& c = head_.config();
+  std::vector<float> m(c.dim), next(c.dim), logits(c.vocab);
+  std::vector<int> drafts;
+  forward(hidden, tokens, m.data(), logits.data());
+  float confidence = 1.0f;
+  while (true) {
+    const int token = static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    drafts.push_back(token);
+    if (probs != nullptr || tau > 0.0f) {
+      const float p = top_probability(logits, token);
+      if (probs != nullptr) probs->push_back(p);
+      confidence *= p;
+    }
+    if (static_cast<int>(drafts.size()) >= k || confidence < tau) break;
+    forward(m.data(), {token}, next.data(), logits.data());
+    std::swap(m, next);
+  }
+  return drafts;
 }
 
 std::tuple<std::vector<int>, std::vector<float>> DraftSession::draft(const mx::array& hidden,
                                                                      const std::vector<int>& tokens, int k,
                                                                      float tau, int row) {
-  const HeadConfig& c = head_.config();
   if (k < 1) throw std::invalid_argument("k must be >= 1, got " + std::to_string(k));
   const std::vector<float> rows = rows_of(hidden, tokens, row);
-  std::vector<float> m(c.dim), next(c.dim), logits(c.vocab);
-  std::vector<int> drafts;
   std::vector<float> probs;
   nb::gil_scoped_release release;
-  forward(rows.data(), tokens, m.data(), logits.data());
-  float confidence = 1.0f;
-  while (true) {
-    auto [token, p] = top1(logits);
-    drafts.push_back(token);
-    probs.push_back(p);
-    confidence *= p;
-    if (static_cast<int>(drafts.size()) >= k || confidence < tau) break;
-    forward(m.data(), {token}, next.data(), logits.data());
-    std::swap(m, next);
-  }
+  std::vector<int> drafts = greedy(rows.data(), tokens, k, tau, &probs);
   return {drafts, probs};
 }
 
@@ -472,18 +484,6 @@ std::tuple<std::vector<float>, std::vector<float>> DraftSession::logits(const mx
   return {m, logits};
 }
 
-void DraftSession::chain(const float* hidden, const std::vector<int>& tokens, int k, int* out) {
-  const HeadConfig& c = head_.config();
-  std::vector<float> m(c.dim), next(c.dim), logits(c.vocab);
-  forward(hidden, tokens, m.data(), logits.data());
-  for (int j = 0; j < k; j++) {
-    out[j] = static_cast<int>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-    if (j + 1 == k) break;
-    forward(m.data(), {out[j]}, next.data(), logits.data());
-    std::swap(m, next);
-  }
-}
-
 class DraftChain : public mx::Primitive {
  public:
   DraftChain(mx::Stream stream, std::shared_ptr<DraftSession> session, std::vector<int> tokens, int k, int row,
@@ -502,7 +502,8 @@ class DraftChain : public mx::Primitive {
                       o = out.data<int32_t>()]() {
       std::vector<float> rows(tokens.size() * dim);
       read_rows(hidden, row, static_cast<int>(tokens.size()), dim, rows.data());
-      session->chain(rows.data(), tokens, k, o);
+      const std::vector<int> drafts = session->greedy(rows.data(), tokens, k, 0.0f, nullptr);
+      std::copy(drafts.begin(), drafts.end(), o);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
