@@ -445,8 +445,7 @@ def suite(engine, args, context: int | None, log, first: bool = True) -> dict:
     rows = [t.row(totals.get("baseline")) for t in totals.values()]
     costs = forward_costs(engine, prompts[0], [1, 2, 3, 4, 5, 6, 7, 8])
     report = {
-        "settings": {"prompts": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds, "context": context,
-                     "chain_drafter": "c++" if engine.native_drafter is not None else "mlx"},
+        "settings": {"prompts": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds, "context": context},
         "results": rows,
         "cost_model": cost_model(costs, rows, totals),
     }

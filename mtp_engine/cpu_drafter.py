@@ -55,9 +55,9 @@ FLOATS = (mx.float32, mx.bfloat16, mx.float16)
 
 
 def _weight(module: nn.Module, dtypes=(mx.float32,)) -> mx.array | None:
-    """A Linear / RMSNorm / Embedding weight the C++ head can read, or None
-    (quantized, biased, not of ``dtypes``)."""
-    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "bias" in module:
+    """A Linear / SwitchLinear / RMSNorm / Embedding weight the C++ head can
+    read, or None (quantized: it has ``scales``; biased; not of ``dtypes``)."""
+    if "scales" in module or "bias" in module:
         return None
     w = module.weight
     return w if w.dtype in dtypes else None
@@ -106,11 +106,8 @@ def head_weights(
             p + "shared.down_proj": mlp.shared_expert.down_proj,
             p + "shared_gate": mlp.shared_expert_gate,
         })
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            expert = getattr(mlp.switch_mlp, name)
-            if "bias" in expert or "scales" in expert or expert.weight.dtype not in dtypes:
-                return None
-            weights[p + "experts." + name] = expert.weight
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            named[p + "experts." + n] = getattr(mlp.switch_mlp, n)
     for name, module in named.items():
         w = _weight(module, dtypes)
         if w is None:
