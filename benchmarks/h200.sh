@@ -21,6 +21,9 @@
 #   bash benchmarks/h200.sh 80b-32k   # 80B-A3B shapes, forward costs and peak memory at 32K (one prefill)
 #   bash benchmarks/h200.sh distill-variants # MTP head self-distillation, hard_weight 0 / 0.5 / 1 (110 s each), chain modes of each
 #   bash benchmarks/h200.sh distill   # distill SOURCE (default the shipped model) for DISTILL_SECONDS, then the lazy chain suite on it
+#   bash benchmarks/h200.sh few-row-qmm # 80B projections by row count as MLX runs them and padded to its GEMM path,
+#                                       # then 80B verify forwards with and without the padding, interleaved
+#   bash benchmarks/h200.sh forward-parts # where the 80B verify forward's growth with T goes (MoE, mixers, convs)
 #   bash benchmarks/h200.sh host-drafts # shipped model, chain modes drafted on the host CPU (C++ head) and on the GPU (MLX), one run
 #                                       # (needs _mtp_draft built for the GPU machine's Python in $EXT_DIR:
 #                                       #  bash benchmarks/build_host_draft_ext.sh builds it into .gpu-stage/b/ext)
@@ -40,6 +43,12 @@ case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-400}" $bench --limit 8 --max-tokens 64 --rounds 2 --host-drafts \
       --modes baseline chain-k2 chain-k4 chain-k6 chain-k4-mlxdraft chain-k6-mlxdraft adaptive-k5 --batch-sizes \
       --json "$out/host-drafts.json" 2>&1 | tee "$out/host-drafts.log" ;;
+  few-row-qmm)  # padding 2-7-row quantized products to MLX's GEMM path: projections, then 80B verify forwards
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-330}" python3 -u benchmarks/few_row_qmm.py \
+      --json "$out/few-row-qmm.json" 2>&1 | tee "$out/few-row-qmm.log" ;;
+  forward-parts)  # 80B verify forward against its MoE blocks, gated-delta mixers, attention mixers and convs
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-240}" python3 -u benchmarks/forward_parts.py \
+      --json "$out/forward-parts.json" 2>&1 | tee "$out/forward-parts.log" ;;
   shipped)
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-330}" $bench --limit 8 --max-tokens 64 --rounds 1 \
       --batch-limit 32 --json "$out/h200-shipped.json" 2>&1 | tee "$out/h200-shipped.log" ;;

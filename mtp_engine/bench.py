@@ -190,16 +190,7 @@ def forward_costs(engine: MTPEngine, context: list[int], widths: list[int], repe
         mx.eval([c.state for c in caches])
 
     def verify(width):
-        for c in caches:
-            if isinstance(c, CheckpointArraysCache):
-                c.begin_capture()
-        h = model.model(mx.array([[7] * width]), cache=caches)
-        mx.eval(engine.lm_head(h), [c.state for c in caches])
-        for c in caches:
-            if c.is_trimmable():
-                c.trim(width)
-            else:
-                c.clear_checkpoints()
+        verify_forward(engine, caches, width)
 
     out = {}
     for width in widths:
@@ -235,6 +226,21 @@ def forward_costs(engine: MTPEngine, context: list[int], widths: list[int], repe
         "mtp_step_s": _median_seconds(mtp_step, repeats),
         "drafter": "mlx" if drafter is engine.drafter else "c++",
     }
+
+
+def verify_forward(engine: MTPEngine, caches: list, width: int) -> None:
+    """One verify forward over ``width`` tokens on ``caches`` (checkpoints
+    on, logits of every token), evaluated, then rolled back."""
+    for c in caches:
+        if isinstance(c, CheckpointArraysCache):
+            c.begin_capture()
+    h = engine.model.model(mx.array([[7] * width]), cache=caches)
+    mx.eval(engine.lm_head(h), [c.state for c in caches])
+    for c in caches:
+        if c.is_trimmable():
+            c.trim(width)
+        else:
+            c.clear_checkpoints()
 
 
 def _median_seconds(fn, repeats: int) -> float:
