@@ -30,6 +30,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtp_engine.recurrent import share_weights
+from qmm_rows import timed  # benchmarks/ is on the path when run as a script
 
 PAD_ROWS = 8
 MIN_PADDED_WORK = 32 * 2**20  # rows x N x K under which padding measured slower (part 1)
@@ -87,16 +88,6 @@ def _swap(modules, old: type, new: type) -> int:
     return swapped
 
 
-def timed(fn, repeats: int = 20) -> float:
-    mx.eval(fn())
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def projections() -> list[dict]:
     rows_out = []
     for name, (n, k, bits) in SHAPES.items():
@@ -134,9 +125,8 @@ def model_costs(context_len: int, repeats: int = 12) -> list[dict]:
     interleaved repeat by repeat (isolated 80B forwards on the H200 move by
     2x between rounds of one process), medians per setting and width."""
     from mtp_engine.backend import prefer_mlx_attention
-    from mtp_engine.bench import verify_forward
+    from mtp_engine.bench import prefilled_caches, verify_forward
     from mtp_engine.engine import MTPEngine
-    from mtp_engine.recurrent import make_main_cache
     from mtp_engine.synthetic import qwen3_next_80b_config, random_quantized_checkpoint
 
     prefer_mlx_attention()
@@ -144,12 +134,7 @@ def model_costs(context_len: int, repeats: int = 12) -> list[dict]:
     checkpoint = random_quantized_checkpoint(qwen3_next_80b_config())
     print(f"80B-A3B shapes built in {time.perf_counter() - t:.0f} s", flush=True)
     engine = MTPEngine(checkpoint)
-    model = engine.model
-    caches = make_main_cache(model)
-    context = [(7 * i) % 1000 + 3 for i in range(context_len)]
-    for start in range(0, len(context), 2048):
-        model.model(mx.array(context[start : start + 2048])[None], cache=caches)
-        mx.eval([c.state for c in caches])
+    caches = prefilled_caches(engine, [(7 * i) % 1000 + 3 for i in range(context_len)])
     widths = [1, 2, 3, 4, 5, 8]
     modules = (checkpoint.model, checkpoint.head)
     settings = {"MLX": lambda: _swap(modules, PaddedQuantizedLinear, nn.QuantizedLinear),

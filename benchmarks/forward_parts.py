@@ -22,9 +22,8 @@ import time
 import mlx.core as mx
 
 from mtp_engine.backend import prefer_mlx_attention
-from mtp_engine.bench import verify_forward
+from mtp_engine.bench import prefilled_caches, verify_forward
 from mtp_engine.engine import MTPEngine
-from mtp_engine.recurrent import make_main_cache
 from mtp_engine.synthetic import qwen3_next_80b_config, random_quantized_checkpoint
 
 
@@ -38,11 +37,7 @@ def main() -> None:
     checkpoint = random_quantized_checkpoint(qwen3_next_80b_config())
     engine = MTPEngine(checkpoint)
     model = engine.model
-    caches = make_main_cache(model)
-    context = [(7 * i) % 1000 + 3 for i in range(args.context)]
-    for start in range(0, len(context), 2048):
-        model.model(mx.array(context[start : start + 2048])[None], cache=caches)
-        mx.eval([c.state for c in caches])
+    caches = prefilled_caches(engine, [(7 * i) % 1000 + 3 for i in range(args.context)])
     layers = model.model.layers
     dim = checkpoint.config["hidden_size"]
     widths = [1, 2, 4, 5, 8]

@@ -18,8 +18,9 @@ import time
 import mlx.core as mx
 
 from mtp_engine.backend import prefer_mlx_attention
+from mtp_engine.bench import prefilled_caches
 from mtp_engine.engine import MTPEngine
-from mtp_engine.recurrent import CheckpointArraysCache, make_main_cache
+from mtp_engine.recurrent import CheckpointArraysCache
 
 
 def main() -> None:
@@ -37,11 +38,7 @@ def main() -> None:
     else:
         engine = MTPEngine.load(args.model)
     model = engine.model
-    caches = make_main_cache(model)
-    ids = [(7 * i) % 1000 + 3 for i in range(args.context)]
-    for start in range(0, len(ids), 2048):
-        model.model(mx.array(ids[start : start + 2048])[None], cache=caches)
-        mx.eval([c.state for c in caches])
+    caches = prefilled_caches(engine, [(7 * i) % 1000 + 3 for i in range(args.context)])
 
     def once(width: int) -> tuple[float, float]:
         for c in caches:

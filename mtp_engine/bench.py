@@ -184,10 +184,7 @@ def forward_costs(engine: MTPEngine, context: list[int], widths: list[int], repe
     """Seconds of a verify forward (checkpoints on) over T tokens, and of one
     MTP draft step, after a prefill of ``context`` (medians of ``repeats``)."""
     model = engine.model
-    caches = make_main_cache(model)
-    for start in range(0, len(context), 2048):
-        model.model(mx.array(context[start : start + 2048])[None], cache=caches)
-        mx.eval([c.state for c in caches])
+    caches = prefilled_caches(engine, context)
 
     def verify(width):
         verify_forward(engine, caches, width)
@@ -226,6 +223,16 @@ def forward_costs(engine: MTPEngine, context: list[int], widths: list[int], repe
         "mtp_step_s": _median_seconds(mtp_step, repeats),
         "drafter": "mlx" if drafter is engine.drafter else "c++",
     }
+
+
+def prefilled_caches(engine: MTPEngine, context: list[int], chunk: int = 2048) -> list:
+    """Fresh engine caches with ``context`` prefilled, ``chunk`` tokens a
+    forward (the cost probes' starting point)."""
+    caches = make_main_cache(engine.model)
+    for start in range(0, len(context), chunk):
+        engine.model.model(mx.array(context[start : start + chunk])[None], cache=caches)
+        mx.eval([c.state for c in caches])
+    return caches
 
 
 def verify_forward(engine: MTPEngine, caches: list, width: int) -> None:
