@@ -7,7 +7,13 @@ repeat by repeat after a prefill of ``--context`` tokens:
 - the 36 gated-delta mixers with checkpoints on (projections, conv, the CUDA
   recurrence kernel, gated norm), their caches restored after each pass;
 - the 12 attention mixers over the context (trimmed after each pass);
-- the 36 depthwise convs alone.
+- the 36 depthwise convs alone;
+- the gated-delta mixer's pieces, each for the 36 layers: the input
+  projections, the recurrence keeping every token's state (the CUDA kernel
+  there), the per-token conv windows, the gated norm with ``out_proj``.
+
+On a freshly started GPU machine MLX compiles its kernels on first use; the
+first (unmeasured) pass takes minutes on these shapes.
 
     python benchmarks/forward_parts.py [--context 1024] [--repeats 10]
 """
@@ -20,10 +26,12 @@ import statistics
 import time
 
 import mlx.core as mx
+from mlx_lm.models.gated_delta import normalize_qk
 
 from mtp_engine.backend import prefer_mlx_attention
 from mtp_engine.bench import prefilled_caches, verify_forward
 from mtp_engine.engine import MTPEngine
+from mtp_engine.recurrent import _recurrence  # the engine's recurrence as a verify forward runs it
 from mtp_engine.synthetic import qwen3_next_80b_config, random_quantized_checkpoint
 
 
@@ -80,8 +88,39 @@ def main() -> None:
     def conv(w):
         mx.eval([m.conv1d(conv_in[w]) for m, _ in linear])
 
+    # The gated-delta mixer's pieces, each for the 36 layers.
+    m0 = linear[0][0]
+    Hk, Dk, Hv, Dv = m0.num_k_heads, m0.head_k_dim, m0.num_v_heads, m0.head_v_dim
+
+    def normal(shape):
+        return mx.random.normal(shape).astype(mx.bfloat16)
+
+    rec_in = {}
+    for w in widths:
+        q, k = normal((1, w, Hk, Dk)), normal((1, w, Hk, Dk))
+        q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
+        rec_in[w] = (q, k, normal((1, w, Hv, Dv)), normal((1, w, Hv)), normal((1, w, Hv)), normal((1, w, Hv * Dv)))
+    mx.eval(list(rec_in.values()))
+
+    def projections(w):
+        mx.eval([(m.in_proj_qkvz(xs[w]), m.in_proj_ba(xs[w])) for m, _ in linear])
+
+    def recurrences(w):  # the recurrence with every token's state kept, from each layer's state
+        q, k, v, a, b, _ = rec_in[w]
+        mx.eval([_recurrence(m, q, k, v, a, b, c[1], None, True) for m, c in linear])
+
+    def conv_windows(w):  # the per-token conv windows a verify forward keeps
+        ci = conv_in[w]
+        mx.eval([[mx.contiguous(ci[:, t + 1 : t + 4, :]) for t in range(w)] for _ in linear])
+
+    def output(w):  # gated norm and out_proj
+        _, _, v, _, _, z = rec_in[w]
+        mx.eval([m.out_proj(m.norm(v, z.reshape(v.shape)).reshape(1, w, -1)) for m, _ in linear])
+
     parts = {"verify forward": lambda w: verify_forward(engine, caches, w), "48 MoE blocks": moe,
-             "36 gated-delta mixers": gated_delta, "12 attention mixers": attend, "36 conv1d": conv}
+             "36 gated-delta mixers": gated_delta, "12 attention mixers": attend, "36 conv1d": conv,
+             "36 in_proj_qkvz + in_proj_ba": projections, "36 recurrences (states kept)": recurrences,
+             "36 x T conv windows": conv_windows, "36 gated norms + out_proj": output}
     times = {(p, w): [] for p in parts for w in widths}
     build = {w: [] for w in widths}
     for rep in range(args.repeats + 1):

@@ -23,7 +23,7 @@
 #   bash benchmarks/h200.sh distill   # distill SOURCE (default the shipped model) for DISTILL_SECONDS, then the lazy chain suite on it
 #   bash benchmarks/h200.sh few-row-qmm # 80B projections by row count as MLX runs them and padded to its GEMM path,
 #                                       # then 80B verify forwards with and without the padding, interleaved
-#   bash benchmarks/h200.sh forward-parts # where the 80B verify forward's growth with T goes (MoE, mixers, convs)
+#   bash benchmarks/h200.sh forward-parts # where the 80B verify forward's growth with T goes (MoE, mixers and their pieces)
 #   bash benchmarks/h200.sh host-drafts # shipped model, chain modes drafted on the host CPU (C++ head) and on the GPU (MLX), one run
 #                                       # (needs _mtp_draft built for the GPU machine's Python in $EXT_DIR:
 #                                       #  bash benchmarks/build_host_draft_ext.sh builds it into .gpu-stage/b/ext)
@@ -47,7 +47,8 @@ case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-330}" python3 -u benchmarks/few_row_qmm.py \
       --json "$out/few-row-qmm.json" 2>&1 | tee "$out/few-row-qmm.log" ;;
   forward-parts)  # 80B verify forward against its MoE blocks, gated-delta mixers, attention mixers and convs
-    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-240}" python3 -u benchmarks/forward_parts.py \
+    # a freshly started machine compiles MLX's kernels in the first (unmeasured) pass: minutes
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-540}" python3 -u benchmarks/forward_parts.py \
       --json "$out/forward-parts.json" 2>&1 | tee "$out/forward-parts.log" ;;
   shipped)
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-330}" $bench --limit 8 --max-tokens 64 --rounds 1 \
