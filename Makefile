@@ -46,17 +46,19 @@ $(CBLAS_SHIM): native/cblas_openblas.c native/few_rows.c native/few_rows.h $(VEN
 	  echo "built $@ (MLX's CPU sgemm -> OpenBLAS)" || \
 	  { rm -f $@; echo "note: could not build $@ (no C compiler?); MLX keeps its reference BLAS"; }
 
-# Linux CPU: native/build_native.py builds two extensions into .venv:
+# Linux CPU: native/build_native.py builds three extensions into .venv:
 # native/gdn_tokens.cpp, the gated-delta recurrence over T tokens as one MLX
-# primitive (mtp_engine/cpu_recurrence.py), and native/draft_head.cpp, the MTP
-# head's draft steps in C++ (mtp_engine/cpu_drafter.py). Without them the
-# engine runs the MLX ops they replace.
+# primitive (mtp_engine/cpu_recurrence.py), native/draft_head.cpp, the MTP
+# head's draft steps in C++ (mtp_engine/cpu_drafter.py), and
+# native/activations.cpp, MLX's float32 SiLU vectorized
+# (mtp_engine/cpu_activations.py). Without them the engine runs the MLX ops
+# they replace.
 GDN_STAMP := $(VENV)/.native-built
 ifeq ($(shell uname -s)-$(MLX_BACKEND),Linux-cpu)
 SHIM_TARGET += $(GDN_STAMP)
 endif
 
-$(GDN_STAMP): native/gdn_tokens.cpp native/draft_head.cpp native/few_rows.c native/few_rows.h \
+$(GDN_STAMP): native/gdn_tokens.cpp native/draft_head.cpp native/activations.cpp native/few_rows.c native/few_rows.h \
 		native/build_native.py $(VENV)/.installed
 	@$(PY) native/build_native.py; touch $@
 

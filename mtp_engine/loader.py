@@ -23,6 +23,7 @@ from mlx_lm.utils import infer_quant_config, load_model, load_tokenizer
 
 from mtp_engine.checkpoint_io import MTP_LAYOUT_KEY, MTP_PREFIX, hub_to_mlx, load_prefixed
 from mtp_engine.compiled import install_compiled_layers, wants_compiled_layers
+from mtp_engine.cpu_activations import install_fast_activations
 from mtp_engine.mtp_head import MTPHead
 from mtp_engine.recurrent import install_checkpointing
 
@@ -144,7 +145,8 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 def load_checkpoint(
     path: str | Path, dtype: str | None = None, compile_layers: bool | None = None
 ) -> LoadedCheckpoint:
-    """Load trunk, MTP head and tokenizer, and install per-token checkpoints
+    """Load trunk, MTP head and tokenizer, and install per-token checkpoints,
+    on the CPU vectorized SiLU for wide forwards (`mtp_engine.cpu_activations`)
     and, where ``compile_layers`` says so, compiled decoder layers (see
     `mtp_engine.compiled`; default: on MLX's CPU backend only).
 
@@ -183,6 +185,7 @@ def load_checkpoint(
         mx.eval(model.parameters(), head.parameters())
     tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
     install_checkpointing(model)
+    install_fast_activations(model, head)
     if wants_compiled_layers(compile_layers):
         install_compiled_layers(model, head)
     return LoadedCheckpoint(model=model, head=head, tokenizer=tokenizer, config=config, path=folder)

@@ -30,7 +30,7 @@ from mlx_lm.models.gated_delta import (  # the step is private: mlx-lm is pinned
 )
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 
-from mtp_engine import cpu_recurrence, cuda_recurrence
+from mtp_engine import cpu_activations, cpu_recurrence, cuda_recurrence
 
 
 class CheckpointArraysCache(ArraysCache):
@@ -143,7 +143,7 @@ def mix_tokens(
     conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)  # [B, n_keep+S, C]
     kept = range(S) if keep_states else [S - 1]
     conv_states = [mx.contiguous(conv_input[:, t + 1 : t + 1 + n_keep, :]) for t in kept]
-    conv_out = nn.silu(layer.conv1d(conv_input))
+    conv_out = cpu_activations.silu(layer.conv1d(conv_input))  # nn.silu, vectorized on the CPU
     q, k, v = [
         t.reshape(B, S, h, d)
         for t, h, d in zip(

@@ -3,7 +3,9 @@
 - ``_mtp_gdn`` from `native/gdn_tokens.cpp`: one MLX CPU primitive for the
   gated-delta recurrence over T tokens (`mtp_engine.cpu_recurrence`);
 - ``_mtp_draft`` from `native/draft_head.cpp` and `native/few_rows.c`: the
-  MTP head's draft steps in plain C++ (`mtp_engine.cpu_drafter`).
+  MTP head's draft steps in plain C++ (`mtp_engine.cpu_drafter`);
+- ``_mtp_act`` from `native/activations.cpp`: MLX's float32 sigmoid and SiLU,
+  vectorized, bit for bit (`mtp_engine.cpu_activations`).
 
     python native/build_native.py        # `make install` runs it
 
@@ -26,11 +28,15 @@ HERE = Path(__file__).resolve().parent
 
 # module: (sources, extra C++ flags, what it is). _mtp_gdn must round exactly
 # as MLX's own CPU ops, which never fuse a multiply-add: -ffp-contract=off, so
-# -march=native's FMA cannot fuse them either. Drafts need not be bit-exact.
+# -march=native's FMA cannot fuse them either; nor _mtp_act's. Drafts need not be bit-exact.
 MODULES = {
     "_mtp_gdn": (["gdn_tokens.cpp"], ["-march=native", "-ffp-contract=off"],
                  "the gated-delta recurrence as one MLX CPU primitive"),
     "_mtp_draft": (["draft_head.cpp", "few_rows.c"], ["-march=native"], "the MTP head's draft steps in C++"),
+    # -fno-trapping-math -fno-math-errno let GCC vectorize the loop (floor, fma and
+    # the selects); neither changes a result (no FP traps or errno are read).
+    "_mtp_act": (["activations.cpp"], ["-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"],
+                 "MLX's float32 sigmoid and SiLU, vectorized"),
 }
 
 

@@ -1,0 +1,124 @@
+// MLX's float32 sigmoid and SiLU as one vectorized MLX CPU primitive.
+//
+// On Linux x86-64, MLX's CPU backend computes exp (inside sigmoid, SiLU,
+// softplus) one element at a time, and its polynomial calls libm's fma for
+// each of six steps: about 11 ns an element. A prompt's prefill runs SiLU over
+// the conv outputs, the gated norms and the MoE blocks of every layer, and on
+// the shipped model that was about a third of the prefill.
+//
+// This computes the same function, operation for operation, in a loop the
+// compiler vectorizes (-O3 -march=native). Every step is an IEEE operation
+// with one rounding (multiply, add, divide, fused multiply-add, floor, the
+// float-to-int conversion, integer shifts), so the vector lanes give the
+// scalar results bit for bit; -ffp-contract=off keeps the compiler from fusing
+// the multiply-adds MLX keeps apart. The tests compare it with mx.sigmoid and
+// nn.silu bit for bit over every float32 range that matters.
+//
+// MLX's exp (mlx/backend/cpu/simd/math.h, from Cephes): 2^(x log2 e) split
+// into an integer part, made by shifting it into a float's exponent, and a
+// fractional part through a degree-6 polynomial; NaN passes through, above 88
+// is infinity, below -88 is 0. Sigmoid: y = 1 / (1 + exp(|x|)), then y for
+// x < 0 and 1 - y otherwise. SiLU: x * sigmoid(x).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include <nanobind/nanobind.h>
+
+#include "mlx/allocator.h"
+#include "mlx/array.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace mtp {
+
+using mlx::core::array;
+namespace mx = mlx::core;
+
+static inline float mlx_exp(float x_init) {
+  float x = x_init * 1.442695f;
+  const float ipart = std::floor(x + 0.5f);
+  const float fpart = x - ipart;
+  x = 1.535336188319500e-4f;
+  x = std::fma(x, fpart, 1.339887440266574e-3f);
+  x = std::fma(x, fpart, 9.618437357674640e-3f);
+  x = std::fma(x, fpart, 5.550332471162809e-2f);
+  x = std::fma(x, fpart, 2.402264791363012e-1f);
+  x = std::fma(x, fpart, 6.931472028550421e-1f);
+  x = std::fma(x, fpart, 1.000000000000000f);
+  // 2^ipart through the exponent bits (unsigned: the out-of-range cases are
+  // replaced below, as in MLX).
+  const uint32_t bits = (static_cast<uint32_t>(static_cast<int32_t>(ipart)) + 127u) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  float result = x_init != x_init ? x_init : scale * x;
+  result = x_init > 88.0f ? INFINITY : result;
+  result = x_init < -88.0f ? 0.0f : result;
+  return result;
+}
+
+static inline float mlx_sigmoid(float x) {
+  const float y = 1.0f / (1.0f + mlx_exp(std::fabs(x)));
+  return x < 0.0f ? y : 1.0f - y;
+}
+
+static void sigmoid_loop(const float* __restrict in, float* __restrict out, size_t n, bool silu) {
+  if (silu) {
+    for (size_t i = 0; i < n; ++i) out[i] = in[i] * mlx_sigmoid(in[i]);
+  } else {
+    for (size_t i = 0; i < n; ++i) out[i] = mlx_sigmoid(in[i]);
+  }
+}
+
+class Sigmoid : public mx::Primitive {
+ public:
+  Sigmoid(mx::Stream stream, bool silu) : mx::Primitive(stream), silu_(silu) {}
+
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    const array& x = inputs[0];
+    array& y = outputs[0];
+    y.set_data(mx::allocator::malloc(y.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_output_array(y);
+    encoder.dispatch([in = x.data<float>(), out = y.data<float>(), n = x.size(), silu = silu_]() {
+      sigmoid_loop(in, out, n, silu);
+    });
+  }
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("the _mtp_act primitives have no GPU implementation");
+  }
+  const char* name() const override { return silu_ ? "MtpSiLU" : "MtpSigmoid"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return silu_ == static_cast<const Sigmoid&>(other).silu_;
+  }
+
+ private:
+  bool silu_;
+};
+
+static array apply(const array& x, bool silu, const char* what) {
+  if (x.dtype() != mx::float32) {
+    throw std::invalid_argument(std::string(what) + ": x must be float32");
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  return array(x.shape(), mx::float32, std::make_shared<Sigmoid>(s, silu), {mx::contiguous(x, false, s)});
+}
+
+array sigmoid(const array& x) { return apply(x, false, "sigmoid"); }
+array silu(const array& x) { return apply(x, true, "silu"); }
+
+}  // namespace mtp
+
+NB_MODULE(_mtp_act, m) {
+  m.doc() = "MLX's float32 sigmoid and SiLU, vectorized, as MLX CPU primitives";
+  m.def("sigmoid", &mtp::sigmoid, "x"_a);
+  m.def("silu", &mtp::silu, "x"_a);
+}

@@ -1,0 +1,99 @@
+"""The vectorized SiLU primitive (`mtp_engine.cpu_activations`): bit for bit
+MLX's own ``mx.sigmoid`` and ``nn.silu``, and a prefill through the swapped
+layers equal to one through mlx-lm's."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextRMSNormGated
+from mlx_lm.models.switch_layers import SwiGLU
+
+from mtp_engine import cpu_activations
+from mtp_engine.loader import load_checkpoint
+from mtp_engine.compiled import CompiledDecoderLayer
+from mtp_engine.recurrent import CheckpointArraysCache, make_main_cache
+from mtp_engine.tiny_checkpoint import make_tiny_checkpoint, tiny_config
+
+pytestmark = pytest.mark.skipif(
+    cpu_activations.extension() is None or mx.default_device() != mx.cpu,
+    reason="needs the _mtp_act extension (make install) on MLX's CPU backend",
+)
+
+
+def _bits_equal(a: mx.array, b: mx.array) -> np.ndarray:
+    a, b = np.array(a), np.array(b)
+    return (a.view(np.uint32) == b.view(np.uint32)) | (np.isnan(a) & np.isnan(b))
+
+
+@pytest.fixture(scope="module")
+def floats() -> mx.array:
+    """Every 4099th float32 bit pattern (all signs, exponents, NaNs and
+    infinities among them), the edges of exp's range, and signed zeros."""
+    patterns = np.arange(0, 2**32, 4099, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    edges = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 88.0, -88.0, np.nextafter(88.0, 89.0),
+                      np.nextafter(-88.0, -89.0), 1e-45, -1e-45, 0.5, -0.5], dtype=np.float32)
+    dense = np.linspace(-20.0, 20.0, 200_001, dtype=np.float32)  # where activations live
+    return mx.array(np.concatenate([patterns, edges, dense]))
+
+
+def test_sigmoid_and_silu_equal_mlx_bit_for_bit(floats):
+    ext = cpu_activations.extension()
+    assert _bits_equal(ext.sigmoid(floats), mx.sigmoid(floats)).all()
+    assert _bits_equal(ext.silu(floats), nn.silu(floats)).all()
+    shaped = floats[: 3 * 5 * 4099].reshape(3, 5, 4099)  # any shape, any layout
+    assert _bits_equal(ext.silu(shaped.transpose(2, 0, 1)), nn.silu(shaped.transpose(2, 0, 1))).all()
+
+
+def test_only_float32_takes_the_primitive():
+    x = mx.random.normal((3, 7))
+    assert cpu_activations._takes(x)
+    assert not cpu_activations._takes(x.astype(mx.float16))
+    assert mx.array_equal(cpu_activations.silu(x.astype(mx.float16)), nn.silu(x.astype(mx.float16)))
+    with pytest.raises(ValueError, match="float32"):
+        cpu_activations.extension().silu(x.astype(mx.bfloat16))
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("act")
+    make_tiny_checkpoint(folder, tiny_config(hidden_size=128, moe_intermediate_size=128,
+                                              shared_expert_intermediate_size=128), seed=5)
+    return folder
+
+
+def test_forwards_through_swapped_layers_equal_mlx_lm_layers(checkpoint_dir, monkeypatch):
+    fast = load_checkpoint(checkpoint_dir)
+    assert isinstance(fast.model.model.layers[0], CompiledDecoderLayer)
+    kinds = {type(m) for _, m in fast.model.named_modules()}
+    assert {cpu_activations.FastSwiGLU, cpu_activations.FastMLP, cpu_activations.FastGatedNorm} <= kinds
+    assert not {SwiGLU, Qwen3NextMLP, Qwen3NextRMSNormGated} & kinds
+
+    monkeypatch.setattr(cpu_activations, "_extension", None)  # as with MTP_CPU_ACTIVATIONS=0
+    monkeypatch.setattr(cpu_activations, "_loaded", True)
+    plain = load_checkpoint(checkpoint_dir)
+    assert cpu_activations.install_fast_activations(plain.model) == 0
+    assert cpu_activations.FastSwiGLU not in {type(m) for _, m in plain.model.named_modules()}
+    monkeypatch.undo()
+
+    prompt = mx.array([[(37 * i) % 380 + 2 for i in range(300)]])
+    outputs = []
+    for checkpoint in (fast, plain):
+        caches = make_main_cache(checkpoint.model)
+        logits = [checkpoint.model(prompt, cache=caches)]  # prefill (eager)
+        for width in (5, 1):  # a verify forward with checkpoints, then a decode step (compiled layers)
+            for c in caches:
+                if isinstance(c, CheckpointArraysCache):
+                    c.begin_capture()
+            logits.append(checkpoint.model(prompt[:, :width], cache=caches))
+        mx.eval(logits, [c.state for c in caches])
+        outputs.append((logits, [c.state for c in caches]))
+    for a, b in zip(outputs[0][0], outputs[1][0]):
+        assert mx.array_equal(a, b)
+    states = [[x for _, x in tree_flatten(out[1])] for out in outputs]
+    assert len(states[0]) == len(states[1]) > 0
+    for x, y in zip(*states):
+        assert (x is None and y is None) or mx.array_equal(x, y)
