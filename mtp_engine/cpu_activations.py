@@ -19,7 +19,9 @@ output. Float32 arrays on the CPU take it at every width: measured side by
 side on the shipped model, prefill of a 150-token prompt 55.8 -> 37.7 ms,
 a verify forward over 5 tokens 4.7-5.0 -> 4.3-4.5 ms, one token 2.9-3.1 ->
 2.8-3.1 ms (inside the compiled layers it stands between fused kernels,
-which still pays). Set ``MTP_CPU_ACTIVATIONS=0`` to turn it off.
+which still pays). Its derivatives are MLX ops, so training (the head's
+distillation) runs through it too. Set ``MTP_CPU_ACTIVATIONS=0`` to turn it
+off.
 """
 
 from __future__ import annotations

@@ -95,12 +95,37 @@ class Sigmoid : public mx::Primitive {
   void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
     throw std::runtime_error("the _mtp_act primitives have no GPU implementation");
   }
+  // Derivatives through MLX's own ops (training runs through the swapped
+  // layers too): sigmoid' = s (1 - s), silu' = s (1 + x (1 - s)).
+  std::vector<array> jvp(const std::vector<array>& primals, const std::vector<array>& tangents,
+                         const std::vector<int>&) override {
+    return {mx::multiply(tangents[0], derivative(primals[0]), stream())};
+  }
+  std::vector<array> vjp(const std::vector<array>& primals, const std::vector<array>& cotangents,
+                         const std::vector<int>&, const std::vector<array>&) override {
+    return {mx::multiply(cotangents[0], derivative(primals[0]), stream())};
+  }
+  std::pair<std::vector<array>, std::vector<int>> vmap(const std::vector<array>& inputs,
+                                                        const std::vector<int>& axes) override {
+    // Elementwise: the batched call is the call.
+    return {{array(inputs[0].shape(), mx::float32, std::make_shared<Sigmoid>(stream(), silu_),
+                   {mx::contiguous(inputs[0], false, stream())})},
+            {axes[0]}};
+  }
   const char* name() const override { return silu_ ? "MtpSiLU" : "MtpSigmoid"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     return silu_ == static_cast<const Sigmoid&>(other).silu_;
   }
 
  private:
+  array derivative(const array& x) {
+    auto st = stream();
+    const array s = mx::sigmoid(x, st);
+    const array one_minus = mx::subtract(array(1.0f), s, st);
+    if (!silu_) return mx::multiply(s, one_minus, st);
+    return mx::multiply(s, mx::add(array(1.0f), mx::multiply(x, one_minus, st), st), st);
+  }
+
   bool silu_;
 };
 

@@ -48,6 +48,19 @@ def test_sigmoid_and_silu_equal_mlx_bit_for_bit(floats):
     assert _bits_equal(ext.silu(shaped.transpose(2, 0, 1)), nn.silu(shaped.transpose(2, 0, 1))).all()
 
 
+def test_gradients_and_vmap_follow_mlx():
+    """Training (distill) runs through the swapped layers: derivatives come
+    from MLX's ops, close to autodiff of nn.silu."""
+    ext = cpu_activations.extension()
+    x = mx.random.normal((64, 33), key=mx.random.key(1)) * 4
+    for ours, ref in ((ext.silu, nn.silu), (ext.sigmoid, mx.sigmoid)):
+        g, g_ref = (mx.grad(lambda a, f=f: (f(a) * a).sum())(x) for f in (ours, ref))
+        assert mx.allclose(g, g_ref, rtol=1e-4, atol=1e-5)
+        tangent = mx.random.normal(x.shape, key=mx.random.key(2))
+        assert mx.allclose(mx.jvp(ours, [x], [tangent])[1][0], mx.jvp(ref, [x], [tangent])[1][0], atol=1e-5)
+        assert mx.array_equal(mx.vmap(ours, in_axes=1)(x), mx.vmap(ref, in_axes=1)(x))
+
+
 def test_only_float32_takes_the_primitive():
     x = mx.random.normal((3, 7))
     assert cpu_activations._takes(x)
