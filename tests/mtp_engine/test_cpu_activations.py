@@ -15,7 +15,7 @@ from mlx_lm.models.switch_layers import SwiGLU
 from mtp_engine import cpu_activations
 from mtp_engine.loader import load_checkpoint
 from mtp_engine.compiled import CompiledDecoderLayer
-from mtp_engine.recurrent import CheckpointArraysCache, make_main_cache
+from mtp_engine.recurrent import CheckpointArraysCache, make_main_cache, share_weights
 from mtp_engine.tiny_checkpoint import make_tiny_checkpoint, tiny_config
 
 pytestmark = pytest.mark.skipif(
@@ -59,6 +59,19 @@ def test_gradients_and_vmap_follow_mlx():
         tangent = mx.random.normal(x.shape, key=mx.random.key(2))
         assert mx.allclose(mx.jvp(ours, [x], [tangent])[1][0], mx.jvp(ref, [x], [tangent])[1][0], atol=1e-5)
         assert mx.array_equal(mx.vmap(ours, in_axes=1)(x), mx.vmap(ref, in_axes=1)(x))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gated_norm_equals_mlx_lm_in_any_dtype(dtype):
+    """The gated norm takes SiLU in float32 whatever the model's dtype, as
+    mlx-lm's precise_swiglu does."""
+    norm = Qwen3NextRMSNormGated(64)
+    norm.weight = mx.random.uniform(shape=(64,), key=mx.random.key(3)) + 0.5
+    fast = share_weights(cpu_activations.FastGatedNorm, norm)
+    h, gate = (mx.random.normal((3, 50, 4, 64), key=mx.random.key(i)) * 3 for i in (4, 5))
+    h, gate = h.astype(dtype), gate.astype(dtype)
+    assert mx.array_equal(fast(h, gate), norm(h, gate))
+    assert mx.array_equal(fast(h), norm(h))
 
 
 def test_only_float32_takes_the_primitive():
