@@ -30,7 +30,8 @@ import os
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextRMSNormGated
+from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP, Qwen3NextRMSNormGated
 from mlx_lm.models.switch_layers import SwiGLU
 
 _extension = None
@@ -69,6 +70,66 @@ def silu(x: mx.array) -> mx.array:
     return extension().silu(x) if _takes(x) else nn.silu(x)
 
 
+def sigmoid(x: mx.array) -> mx.array:
+    """``mx.sigmoid(x)``, through the primitive where `_takes` says so."""
+    return extension().sigmoid(x) if _takes(x) else mx.sigmoid(x)
+
+
+def attention(queries, keys, values, cache, scale: float, mask) -> mx.array:
+    """mlx-lm's ``scaled_dot_product_attention``. For float32 on the CPU
+    (not a quantized cache) it runs what ``mx.fast.scaled_dot_product_attention``
+    runs there (MLX's fallback: scaled queries, grouped heads, scores, the
+    mask, a precise softmax, the values) with the primitive's softmax, so the
+    result is the same bit for bit (tested against it)."""
+    if not _takes(queries) or hasattr(cache, "bits"):
+        return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale, mask=mask)
+    n_q, n_kv = queries.shape[1], keys.shape[1]
+    repeats = n_q // n_kv
+    q = mx.array(scale, queries.dtype) * queries
+    k, v = keys, values
+    if repeats > 1:
+        q = mx.unflatten(q, 1, (n_kv, repeats))
+        k, v = mx.expand_dims(k, 2), mx.expand_dims(v, 2)
+    scores = q @ mx.swapaxes(k, -1, -2)
+    lowest = mx.array(mx.finfo(scores.dtype).min, scores.dtype)
+    if isinstance(mask, str):  # "causal", the queries at the end of the keys
+        k_len, q_len = k.shape[-2], q.shape[-2]
+        scores = mx.where(mx.arange(k_len - q_len, k_len)[:, None] >= mx.arange(k_len)[None], scores, lowest)
+    elif mask is not None:
+        if repeats > 1 and mask.ndim >= 3:
+            mask = mx.expand_dims(mask, -3) if mask.shape[-3] == 1 else mx.unflatten(mask, -3, (n_kv, repeats))
+        scores = mx.where(mask, scores, lowest) if mask.dtype == mx.bool_ else scores + mask.astype(scores.dtype)
+    out = extension().softmax(scores) @ v
+    return mx.flatten(out, 1, 2) if repeats > 1 else out
+
+
+class FastAttention(Qwen3NextAttention):
+    """Qwen3-Next's gated attention with `attention` and `sigmoid`: mlx-lm
+    0.32's ``Qwen3NextAttention.__call__`` (mlx-lm is pinned to 0.32.x), the
+    two calls swapped."""
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if not _takes(x):
+            return super().__call__(x, mask=mask, cache=cache)
+        B, L, _ = x.shape
+        queries, gate = mx.split(self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
+        gate = gate.reshape(B, L, -1)
+        keys, values = self.k_proj(x), self.v_proj(x)
+        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
+        keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+        values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        if cache is not None:
+            queries = self.rope(queries, offset=cache.offset)
+            keys = self.rope(keys, offset=cache.offset)
+            keys, values = cache.update_and_fetch(keys, values)
+        else:
+            queries = self.rope(queries)
+            keys = self.rope(keys)
+        output = attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+        output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(output * sigmoid(gate))
+
+
 class FastSwiGLU(SwiGLU):
     """mlx-lm's ``SwiGLU`` (``silu(gate) * x``) with `silu`."""
 
@@ -98,7 +159,8 @@ class FastGatedNorm(Qwen3NextRMSNormGated):
 
 
 def install_fast_activations(*modules: nn.Module) -> int:
-    """Swap the SwiGLU activations, shared-expert MLPs and gated norms under
+    """Swap the SwiGLU activations, shared-expert MLPs, gated norms and
+    gated attention layers under
     ``modules`` (a trunk, an MTP head) for the versions above, sharing their
     weights. Does nothing unless the extension is available on the CPU
     backend. Returns how many were swapped."""
@@ -116,6 +178,8 @@ def install_fast_activations(*modules: nn.Module) -> int:
                     parent[key] = share_weights(FastMLP, child)
                 elif type(child) is Qwen3NextRMSNormGated:
                     parent[key] = share_weights(FastGatedNorm, child)
+                elif type(child) is Qwen3NextAttention:
+                    parent[key] = share_weights(FastAttention, child)
                 else:
                     continue
                 swapped += 1

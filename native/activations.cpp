@@ -1,4 +1,4 @@
-// MLX's float32 sigmoid and SiLU as one vectorized MLX CPU primitive.
+// MLX's float32 sigmoid, SiLU and softmax as vectorized MLX CPU primitives.
 //
 // On Linux x86-64, MLX's CPU backend computes exp (inside sigmoid, SiLU,
 // softplus) one element at a time, and its polynomial calls libm's fma for
@@ -77,6 +77,56 @@ static void sigmoid_loop(const float* __restrict in, float* __restrict out, size
   }
 }
 
+// MLX's float32 softmax over the last axis (mlx/backend/cpu/softmax.cpp with
+// one lane, as on x86-64): the row's maximum (a NaN wins), exp(x - max) by
+// the exp above, their sum in order, then each times 1 / sum. Only the sum
+// stays sequential: it is the one step whose order changes a result.
+static void softmax_rows(const float* __restrict in, float* __restrict out, size_t rows, size_t m) {
+  for (size_t r = 0; r < rows; ++r, in += m, out += m) {
+    float top = -INFINITY;
+    for (size_t i = 0; i < m; ++i) {
+      const float a = in[i];
+      top = a != a ? a : (a > top ? a : top);
+    }
+    for (size_t i = 0; i < m; ++i) out[i] = mlx_exp(in[i] - top);
+    float sum = 0.0f;
+    for (size_t i = 0; i < m; ++i) sum += out[i];
+    const float scale = 1 / sum;
+    for (size_t i = 0; i < m; ++i) out[i] *= scale;
+  }
+}
+
+class Softmax : public mx::Primitive {
+ public:
+  explicit Softmax(mx::Stream stream) : mx::Primitive(stream) {}
+
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    const array& x = inputs[0];
+    array& y = outputs[0];
+    y.set_data(mx::allocator::malloc(y.nbytes()));
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(x);
+    encoder.set_output_array(y);
+    const size_t m = x.shape(-1);
+    encoder.dispatch([in = x.data<float>(), out = y.data<float>(), rows = x.size() / m, m]() {
+      softmax_rows(in, out, rows, m);
+    });
+  }
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("the _mtp_act primitives have no GPU implementation");
+  }
+  std::vector<array> vjp(const std::vector<array>&, const std::vector<array>& cotangents,
+                         const std::vector<int>&, const std::vector<array>& outputs) override {
+    // As MLX's Softmax: s * (g - sum(g * s)) along the last axis.
+    auto st = stream();
+    const array& s = outputs[0];
+    const array gs = mx::sum(mx::multiply(cotangents[0], s, st), -1, true, st);
+    return {mx::multiply(s, mx::subtract(cotangents[0], gs, st), st)};
+  }
+  const char* name() const override { return "MtpSoftmax"; }
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+};
+
 class Sigmoid : public mx::Primitive {
  public:
   Sigmoid(mx::Stream stream, bool silu) : mx::Primitive(stream), silu_(silu) {}
@@ -138,12 +188,21 @@ static array apply(const array& x, bool silu, const char* what) {
 }
 
 array sigmoid(const array& x) { return apply(x, false, "sigmoid"); }
+
+array softmax(const array& x) {
+  if (x.dtype() != mx::float32 || x.ndim() == 0) {
+    throw std::invalid_argument("softmax: x must be float32 with at least one dimension");
+  }
+  auto s = mx::default_stream(mx::Device::cpu);
+  return array(x.shape(), mx::float32, std::make_shared<Softmax>(s), {mx::contiguous(x, false, s)});
+}
 array silu(const array& x) { return apply(x, true, "silu"); }
 
 }  // namespace mtp
 
 NB_MODULE(_mtp_act, m) {
-  m.doc() = "MLX's float32 sigmoid and SiLU, vectorized, as MLX CPU primitives";
+  m.doc() = "MLX's float32 sigmoid, SiLU and softmax, vectorized, as MLX CPU primitives";
   m.def("sigmoid", &mtp::sigmoid, "x"_a);
   m.def("silu", &mtp::silu, "x"_a);
+  m.def("softmax", &mtp::softmax, "x"_a, "MLX's precise float32 softmax over the last axis");
 }

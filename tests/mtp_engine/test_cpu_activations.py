@@ -9,7 +9,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextRMSNormGated
+from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP, Qwen3NextRMSNormGated
 from mlx_lm.models.switch_layers import SwiGLU
 
 from mtp_engine import cpu_activations
@@ -46,6 +46,29 @@ def test_sigmoid_and_silu_equal_mlx_bit_for_bit(floats):
     assert _bits_equal(ext.silu(floats), nn.silu(floats)).all()
     shaped = floats[: 3 * 5 * 4099].reshape(3, 5, 4099)  # any shape, any layout
     assert _bits_equal(ext.silu(shaped.transpose(2, 0, 1)), nn.silu(shaped.transpose(2, 0, 1))).all()
+
+
+def test_softmax_equals_mlx_bit_for_bit():
+    ext = cpu_activations.extension()
+    x = mx.random.normal((4, 150, 150), key=mx.random.key(6)) * 10
+    lowest = mx.array(mx.finfo(mx.float32).min)
+    masked = mx.where(mx.random.uniform(shape=x.shape, key=mx.random.key(7)) < 0.3, lowest, x)
+    special = mx.array([[1.0, float("nan"), 2.0], [float("inf"), 1.0, 0.0], [-float("inf"), -float("inf"), 0.0]])
+    for a in (x, masked, x[:, :, :1], x.transpose(1, 0, 2), special):
+        assert _bits_equal(ext.softmax(a), mx.softmax(a, axis=-1, precise=True)).all()
+
+
+@pytest.mark.parametrize("heads, kv_heads, q_len, k_len, dim", [
+    (4, 2, 150, 150, 64), (4, 2, 5, 200, 64), (4, 2, 1, 37, 64), (8, 8, 7, 7, 32), (16, 2, 3, 100, 256)])
+def test_attention_equals_mlx_fast_sdpa_bit_for_bit(heads, kv_heads, q_len, k_len, dim):
+    keys = mx.random.split(mx.random.key(q_len), 5)
+    q = mx.random.normal((2, heads, q_len, dim), key=keys[0])
+    k, v = (mx.random.normal((2, kv_heads, k_len, dim), key=keys[i]) for i in (1, 2))
+    bool_mask = mx.random.uniform(shape=(2, 1, q_len, k_len), key=keys[3]) < 0.8
+    add_mask = mx.random.normal((2, heads, q_len, k_len), key=keys[4])
+    for mask in (None, "causal", bool_mask, add_mask):
+        ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=dim**-0.5, mask=mask)
+        assert mx.array_equal(cpu_activations.attention(q, k, v, None, dim**-0.5, mask), ref), str(mask)
 
 
 def test_gradients_and_vmap_follow_mlx():
@@ -95,8 +118,9 @@ def test_forwards_through_swapped_layers_equal_mlx_lm_layers(checkpoint_dir, mon
     fast = load_checkpoint(checkpoint_dir)
     assert isinstance(fast.model.model.layers[0], CompiledDecoderLayer)
     kinds = {type(m) for _, m in fast.model.named_modules()}
-    assert {cpu_activations.FastSwiGLU, cpu_activations.FastMLP, cpu_activations.FastGatedNorm} <= kinds
-    assert not {SwiGLU, Qwen3NextMLP, Qwen3NextRMSNormGated} & kinds
+    assert {cpu_activations.FastSwiGLU, cpu_activations.FastMLP, cpu_activations.FastGatedNorm,
+            cpu_activations.FastAttention} <= kinds
+    assert not {SwiGLU, Qwen3NextMLP, Qwen3NextRMSNormGated, Qwen3NextAttention} & kinds
 
     monkeypatch.setattr(cpu_activations, "_extension", None)  # as with MTP_CPU_ACTIVATIONS=0
     monkeypatch.setattr(cpu_activations, "_loaded", True)
