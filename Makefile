@@ -50,7 +50,7 @@ $(CBLAS_SHIM): native/cblas_openblas.c native/few_rows.c native/few_rows.h $(VEN
 # native/gdn_tokens.cpp, the gated-delta recurrence over T tokens as one MLX
 # primitive (mtp_engine/cpu_recurrence.py), native/draft_head.cpp, the MTP
 # head's draft steps in C++ (mtp_engine/cpu_drafter.py), and
-# native/activations.cpp, MLX's float32 SiLU vectorized
+# native/activations.cpp, MLX's float32 SiLU and softmax vectorized
 # (mtp_engine/cpu_activations.py). Without them the engine runs the MLX ops
 # they replace.
 GDN_STAMP := $(VENV)/.native-built

@@ -1,27 +1,30 @@
-"""MLX's float32 SiLU, vectorized, for the engine's forwards on the CPU backend.
+"""MLX's float32 SiLU, softmax and CPU attention, vectorized, for the
+engine's forwards on the CPU backend.
 
 On Linux x86-64, MLX's CPU backend computes ``exp`` one element at a time,
 with a libm call for each of its polynomial's six fused multiply-adds: about
-11 ns an element for ``mx.sigmoid`` and ``nn.silu``, compiled or not. A
-prompt's prefill applies SiLU to every gated-delta layer's conv output and
-gated norm and to every MoE block's experts; on the shipped model that was a
-third of the prefill.
+11 ns an element for ``mx.sigmoid``, ``nn.silu`` and the precise softmax of
+its CPU attention, compiled or not. A prompt's prefill applies SiLU to every
+gated-delta layer's conv output and gated norm and to every MoE block's
+experts, and a softmax over every attention layer's scores; on the shipped
+model that was 40% of the prefill.
 
 ``_mtp_act`` (``native/activations.cpp``, built by ``make install``) computes
-the same function, operation for operation, in a vectorized loop: bit for
-bit what ``mx.sigmoid`` and ``nn.silu`` give (the tests compare them over
-millions of float32 values), about 17x faster on [153, 512].
+the same functions, operation for operation, in vectorized loops: bit for
+bit what ``mx.sigmoid``, ``nn.silu`` and ``mx.softmax(..., precise=True)``
+give (the tests compare them over millions of float32 values).
 
 `install_fast_activations` swaps, on loaded model instances, the MoE blocks'
-SwiGLU (routed experts and shared expert) and the gated-delta layers' gated
-norms for versions that use it; `mix_tokens` uses `silu` for the conv
-output. Float32 arrays on the CPU take it at every width: measured side by
-side on the shipped model, prefill of a 150-token prompt 55.8 -> 37.7 ms,
-a verify forward over 5 tokens 4.7-5.0 -> 4.3-4.5 ms, one token 2.9-3.1 ->
-2.8-3.1 ms (inside the compiled layers it stands between fused kernels,
-which still pays). Its derivatives are MLX ops, so training (the head's
-distillation) runs through it too. Set ``MTP_CPU_ACTIVATIONS=0`` to turn it
-off.
+SwiGLU (routed experts and shared expert), the gated-delta layers' gated
+norms and the gated attention layers for versions that use it; `mix_tokens`
+uses `silu` for the conv output. `attention` runs the ops MLX's CPU
+``scaled_dot_product_attention`` runs (its fallback) with the primitive's
+softmax, so it too is bit for bit MLX's. Float32 arrays on the CPU take it
+at every width. Measured side by side on the shipped model: prefill of a
+150-token prompt 55.8 -> 31.0 ms, a verify forward over 5 tokens 4.7-5.4 ->
+4.3-4.6 ms, one token level. Its derivatives are MLX ops, so training (the
+head's distillation) runs through it too. Set ``MTP_CPU_ACTIVATIONS=0`` to
+turn it off.
 """
 
 from __future__ import annotations

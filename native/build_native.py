@@ -4,8 +4,8 @@
   gated-delta recurrence over T tokens (`mtp_engine.cpu_recurrence`);
 - ``_mtp_draft`` from `native/draft_head.cpp` and `native/few_rows.c`: the
   MTP head's draft steps in plain C++ (`mtp_engine.cpu_drafter`);
-- ``_mtp_act`` from `native/activations.cpp`: MLX's float32 sigmoid and SiLU,
-  vectorized, bit for bit (`mtp_engine.cpu_activations`).
+- ``_mtp_act`` from `native/activations.cpp`: MLX's float32 sigmoid, SiLU and
+  softmax, vectorized, bit for bit (`mtp_engine.cpu_activations`).
 
     python native/build_native.py        # `make install` runs it
 
@@ -36,7 +36,7 @@ MODULES = {
     # -fno-trapping-math -fno-math-errno let GCC vectorize the loop (floor, fma and
     # the selects); neither changes a result (no FP traps or errno are read).
     "_mtp_act": (["activations.cpp"], ["-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"],
-                 "MLX's float32 sigmoid and SiLU, vectorized"),
+                 "MLX's float32 sigmoid, SiLU and softmax, vectorized"),
 }
 
 
