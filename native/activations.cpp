@@ -96,9 +96,13 @@ static void softmax_rows(const float* __restrict in, float* __restrict out, size
   }
 }
 
-class Softmax : public mx::Primitive {
+// One float32 input, one output of its shape, computed on the CPU stream by
+// a plain loop over the data (n elements in rows of m, the last axis).
+class CpuUnary : public mx::Primitive {
  public:
-  explicit Softmax(mx::Stream stream) : mx::Primitive(stream) {}
+  using Kernel = void (*)(const float* in, float* out, size_t n, size_t m);
+
+  explicit CpuUnary(mx::Stream stream) : mx::Primitive(stream) {}
 
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
     const array& x = inputs[0];
@@ -107,14 +111,28 @@ class Softmax : public mx::Primitive {
     auto& encoder = mx::cpu::get_command_encoder(stream());
     encoder.set_input_array(x);
     encoder.set_output_array(y);
-    const size_t m = x.shape(-1);
-    encoder.dispatch([in = x.data<float>(), out = y.data<float>(), rows = x.size() / m, m]() {
-      softmax_rows(in, out, rows, m);
+    encoder.dispatch([in = x.data<float>(), out = y.data<float>(), n = x.size(),
+                      m = static_cast<size_t>(x.ndim() ? x.shape(-1) : 1), run = kernel()]() {
+      run(in, out, n, m);
     });
   }
   void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
     throw std::runtime_error("the _mtp_act primitives have no GPU implementation");
   }
+
+ protected:
+  virtual Kernel kernel() const = 0;
+};
+
+// The primitive's output for x (made row-contiguous first), on the CPU stream.
+static array unary(const array& x, std::shared_ptr<mx::Primitive> primitive, mx::Stream s) {
+  return array(x.shape(), mx::float32, std::move(primitive), {mx::contiguous(x, false, s)});
+}
+
+class Softmax : public CpuUnary {
+ public:
+  using CpuUnary::CpuUnary;
+
   std::vector<array> vjp(const std::vector<array>&, const std::vector<array>& cotangents,
                          const std::vector<int>&, const std::vector<array>& outputs) override {
     // As MLX's Softmax: s * (g - sum(g * s)) along the last axis.
@@ -125,26 +143,17 @@ class Softmax : public mx::Primitive {
   }
   const char* name() const override { return "MtpSoftmax"; }
   bool is_equivalent(const mx::Primitive&) const override { return true; }
+
+ protected:
+  Kernel kernel() const override {
+    return [](const float* in, float* out, size_t n, size_t m) { softmax_rows(in, out, n / m, m); };
+  }
 };
 
-class Sigmoid : public mx::Primitive {
+class Sigmoid : public CpuUnary {
  public:
-  Sigmoid(mx::Stream stream, bool silu) : mx::Primitive(stream), silu_(silu) {}
+  Sigmoid(mx::Stream stream, bool silu) : CpuUnary(stream), silu_(silu) {}
 
-  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
-    const array& x = inputs[0];
-    array& y = outputs[0];
-    y.set_data(mx::allocator::malloc(y.nbytes()));
-    auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(x);
-    encoder.set_output_array(y);
-    encoder.dispatch([in = x.data<float>(), out = y.data<float>(), n = x.size(), silu = silu_]() {
-      sigmoid_loop(in, out, n, silu);
-    });
-  }
-  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
-    throw std::runtime_error("the _mtp_act primitives have no GPU implementation");
-  }
   // Derivatives through MLX's own ops (training runs through the swapped
   // layers too): sigmoid' = s (1 - s), silu' = s (1 + x (1 - s)).
   std::vector<array> jvp(const std::vector<array>& primals, const std::vector<array>& tangents,
@@ -158,13 +167,17 @@ class Sigmoid : public mx::Primitive {
   std::pair<std::vector<array>, std::vector<int>> vmap(const std::vector<array>& inputs,
                                                         const std::vector<int>& axes) override {
     // Elementwise: the batched call is the call.
-    return {{array(inputs[0].shape(), mx::float32, std::make_shared<Sigmoid>(stream(), silu_),
-                   {mx::contiguous(inputs[0], false, stream())})},
-            {axes[0]}};
+    return {{unary(inputs[0], std::make_shared<Sigmoid>(stream(), silu_), stream())}, {axes[0]}};
   }
   const char* name() const override { return silu_ ? "MtpSiLU" : "MtpSigmoid"; }
   bool is_equivalent(const mx::Primitive& other) const override {
     return silu_ == static_cast<const Sigmoid&>(other).silu_;
+  }
+
+ protected:
+  Kernel kernel() const override {
+    if (silu_) return [](const float* in, float* out, size_t n, size_t) { sigmoid_loop(in, out, n, true); };
+    return [](const float* in, float* out, size_t n, size_t) { sigmoid_loop(in, out, n, false); };
   }
 
  private:
@@ -179,24 +192,24 @@ class Sigmoid : public mx::Primitive {
   bool silu_;
 };
 
-static array apply(const array& x, bool silu, const char* what) {
+static array sigmoid_primitive(const array& x, bool silu, const char* what) {
   if (x.dtype() != mx::float32) {
     throw std::invalid_argument(std::string(what) + ": x must be float32");
   }
   auto s = mx::default_stream(mx::Device::cpu);
-  return array(x.shape(), mx::float32, std::make_shared<Sigmoid>(s, silu), {mx::contiguous(x, false, s)});
+  return unary(x, std::make_shared<Sigmoid>(s, silu), s);
 }
 
-array sigmoid(const array& x) { return apply(x, false, "sigmoid"); }
+array sigmoid(const array& x) { return sigmoid_primitive(x, false, "sigmoid"); }
+array silu(const array& x) { return sigmoid_primitive(x, true, "silu"); }
 
 array softmax(const array& x) {
   if (x.dtype() != mx::float32 || x.ndim() == 0) {
     throw std::invalid_argument("softmax: x must be float32 with at least one dimension");
   }
   auto s = mx::default_stream(mx::Device::cpu);
-  return array(x.shape(), mx::float32, std::make_shared<Softmax>(s), {mx::contiguous(x, false, s)});
+  return unary(x, std::make_shared<Softmax>(s), s);
 }
-array silu(const array& x) { return apply(x, true, "silu"); }
 
 }  // namespace mtp
 
