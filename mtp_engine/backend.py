@@ -15,9 +15,12 @@ path, so they are unaffected either way. Elsewhere this is a no-op.
 from __future__ import annotations
 
 import ctypes
+import importlib
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 CUDNN_ATTENTION = "MLX_CUDA_USE_CUDNN_SDPA"
 # Where `make install` builds native/cblas_openblas.c (Linux, CPU backend).
@@ -55,4 +58,36 @@ def few_rows() -> int | None:
     try:
         return int(ctypes.CDLL(None).mtp_cblas_few_rows())
     except (AttributeError, OSError):
+        return None
+
+
+_extensions: dict[str, ModuleType | None] = {}
+
+
+def load_extension(name: str, switch: str, works: Callable[[ModuleType], bool] | None = None) -> ModuleType | None:
+    """One of the native modules ``make install`` builds (``native/``), loaded
+    once per process: None when it is not built, when the environment
+    variable ``switch`` is "0", or when ``works(module)`` (a tiny call, run
+    on the CPU stream) is false or raises what a nanobind ABI mismatch with
+    this MLX raises (TypeError, RuntimeError, ValueError)."""
+    if name not in _extensions:
+        _extensions[name] = _load(name, switch, works)
+    return _extensions[name]
+
+
+def _load(name: str, switch: str, works) -> ModuleType | None:
+    if os.environ.get(switch, "1") == "0":
+        return None
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        return None
+    if works is None:
+        return module
+    import mlx.core as mx
+
+    try:
+        with mx.stream(mx.cpu):
+            return module if works(module) else None
+    except (TypeError, RuntimeError, ValueError):
         return None

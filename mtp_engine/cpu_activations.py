@@ -29,43 +29,31 @@ turn it off.
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP, Qwen3NextRMSNormGated
 from mlx_lm.models.switch_layers import SwiGLU
 
-_extension = None
-_loaded = False
+from mtp_engine.backend import load_extension
+
+def _works(module) -> bool:
+    x = mx.array([-1.0, 0.0, 2.0])
+    return mx.array_equal(module.silu(x), nn.silu(x)).item()
 
 
 def extension():
     """The ``_mtp_act`` module, or None when it is not built, is disabled, or
     does not work with this MLX (checked once with a tiny call)."""
-    global _extension, _loaded
-    if _loaded:
-        return _extension
-    _loaded = True
-    if os.environ.get("MTP_CPU_ACTIVATIONS", "1") == "0":
-        return None
-    try:
-        import _mtp_act
-    except ImportError:
-        return None
-    try:
-        with mx.stream(mx.cpu):
-            x = mx.array([-1.0, 0.0, 2.0])
-            ok = mx.array_equal(_mtp_act.silu(x), nn.silu(x)).item()
-    except (TypeError, RuntimeError, ValueError):
-        return None
-    _extension = _mtp_act if ok else None
-    return _extension
+    return load_extension("_mtp_act", "MTP_CPU_ACTIVATIONS", _works)
+
+
+def _available() -> bool:
+    return mx.default_device() == mx.cpu and extension() is not None
 
 
 def _takes(x: mx.array) -> bool:
-    return x.dtype == mx.float32 and mx.default_device() == mx.cpu and extension() is not None
+    return x.dtype == mx.float32 and _available()
 
 
 def silu(x: mx.array) -> mx.array:
@@ -144,17 +132,16 @@ class FastMLP(Qwen3NextMLP):
     """Qwen3-Next's dense MLP (the shared expert) with `silu`."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        gate = self.gate_proj(x)
-        if not _takes(gate):
+        if not _takes(x):
             return super().__call__(x)
-        return self.down_proj(silu(gate) * self.up_proj(x))
+        return self.down_proj(silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class FastGatedNorm(Qwen3NextRMSNormGated):
     """Qwen3-Next's gated RMS norm (``precise_swiglu``) with `silu`."""
 
     def __call__(self, hidden_states: mx.array, gate: mx.array | None = None) -> mx.array:
-        if gate is None or mx.default_device() != mx.cpu or extension() is None:
+        if gate is None or not _available():
             return super().__call__(hidden_states, gate)
         # precise_swiglu: SiLU of the gate in float32, whatever the model's dtype.
         x = mx.fast.rms_norm(hidden_states, self.weight, self.eps)
@@ -167,7 +154,7 @@ def install_fast_activations(*modules: nn.Module) -> int:
     ``modules`` (a trunk, an MTP head) for the versions above, sharing their
     weights. Does nothing unless the extension is available on the CPU
     backend. Returns how many were swapped."""
-    if mx.default_device() != mx.cpu or extension() is None:
+    if not _available():
         return 0
     from mtp_engine.recurrent import share_weights
 

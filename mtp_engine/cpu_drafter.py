@@ -23,32 +23,20 @@ copies while the GPU verifies, which pays only for small heads.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
 
+from mtp_engine.backend import load_extension
 from mtp_engine.mtp_head import MTPHead
-
-_extension = None
-_loaded = False
 
 
 def extension():
     """The ``_mtp_draft`` module, or None when it is not built or is
     disabled (``MTP_NATIVE_DRAFT=0``)."""
-    global _extension, _loaded
-    if not _loaded:
-        _loaded = True
-        if os.environ.get("MTP_NATIVE_DRAFT", "1") != "0":
-            try:
-                import _mtp_draft
-            except ImportError:
-                _mtp_draft = None
-            _extension = _mtp_draft
-    return _extension
+    return load_extension("_mtp_draft", "MTP_NATIVE_DRAFT")
 
 
 FLOATS = (mx.float32, mx.bfloat16, mx.float16)

@@ -19,40 +19,23 @@ Set ``MTP_CPU_RECURRENCE=0`` to run mlx-lm's ops instead.
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 
-_extension = None
-_loaded = False
+from mtp_engine.backend import load_extension
+
+def _works(module) -> bool:
+    x = mx.ones((1, 1, 1, 2))
+    gate = mx.ones((1, 1, 1))
+    y, s = module.gated_delta_tokens(x, x, x, gate, gate, mx.zeros((1, 1, 2, 2)), True)
+    mx.eval(y, s)
+    return y.tolist() == [[[[2.0, 2.0]]]]
 
 
 def extension():
     """The ``_mtp_gdn`` module, or None when it is not built, is disabled, or
     does not work with this MLX (checked once with a tiny call: a nanobind
     ABI mismatch shows up as a TypeError there)."""
-    global _extension, _loaded
-    if _loaded:
-        return _extension
-    _loaded = True
-    if os.environ.get("MTP_CPU_RECURRENCE", "1") == "0":
-        return None
-    try:
-        import _mtp_gdn
-    except ImportError:
-        return None
-    try:
-        with mx.stream(mx.cpu):
-            x = mx.ones((1, 1, 1, 2))
-            gate = mx.ones((1, 1, 1))
-            y, s = _mtp_gdn.gated_delta_tokens(x, x, x, gate, gate, mx.zeros((1, 1, 2, 2)), True)
-            mx.eval(y, s)
-        if y.tolist() != [[[[2.0, 2.0]]]]:
-            return None
-    except (TypeError, RuntimeError, ValueError):
-        return None
-    _extension = _mtp_gdn
-    return _extension
+    return load_extension("_mtp_gdn", "MTP_CPU_RECURRENCE", _works)
 
 
 def serves(layer) -> bool:
