@@ -29,7 +29,7 @@ from functools import cache
 import mlx.core as mx
 import mlx.nn as nn
 
-from mtp_engine.recurrent import share_weights
+from mtp_engine.recurrent import share_weights, swap_modules
 from qmm_rows import timed  # benchmarks/ is on the path when run as a script
 
 PAD_ROWS = 8
@@ -78,14 +78,10 @@ class PaddedQuantizedLinear(nn.QuantizedLinear):
 
 
 def _swap(modules, old: type, new: type) -> int:
-    swapped = 0
-    for module in modules:
-        for _, parent in module.named_modules():
-            for key, child in parent.children().items():
-                if type(child) is old and getattr(child, "mode", "affine") == "affine":
-                    parent[key] = share_weights(new, child)
-                    swapped += 1
-    return swapped
+    def make(m):
+        return share_weights(new, m) if getattr(m, "mode", "affine") == "affine" else None
+
+    return swap_modules(modules, {old: make})
 
 
 def projections() -> list[dict]:

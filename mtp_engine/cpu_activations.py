@@ -156,21 +156,11 @@ def install_fast_activations(*modules: nn.Module) -> int:
     backend. Returns how many were swapped."""
     if not _available():
         return 0
-    from mtp_engine.recurrent import share_weights
+    from mtp_engine.recurrent import share_weights, swap_modules  # recurrent imports this module
 
-    swapped = 0
-    for module in modules:
-        for _, parent in module.named_modules():
-            for key, child in parent.children().items():
-                if type(child) is SwiGLU:
-                    parent[key] = FastSwiGLU()
-                elif type(child) is Qwen3NextMLP:
-                    parent[key] = share_weights(FastMLP, child)
-                elif type(child) is Qwen3NextRMSNormGated:
-                    parent[key] = share_weights(FastGatedNorm, child)
-                elif type(child) is Qwen3NextAttention:
-                    parent[key] = share_weights(FastAttention, child)
-                else:
-                    continue
-                swapped += 1
-    return swapped
+    return swap_modules(modules, {
+        SwiGLU: lambda _: FastSwiGLU(),
+        Qwen3NextMLP: lambda m: share_weights(FastMLP, m),
+        Qwen3NextRMSNormGated: lambda m: share_weights(FastGatedNorm, m),
+        Qwen3NextAttention: lambda m: share_weights(FastAttention, m),
+    })

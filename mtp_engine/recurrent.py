@@ -66,6 +66,22 @@ def share_weights(cls: type, layer: nn.Module) -> nn.Module:
     return new
 
 
+def swap_modules(modules, swaps: dict) -> int:
+    """Replace every submodule under ``modules`` whose type is exactly a key
+    of ``swaps`` with ``swaps[type](child)`` (a None answer keeps the child).
+    Returns how many were replaced."""
+    swapped = 0
+    for module in modules:
+        for _, parent in module.named_modules():
+            for key, child in parent.children().items():
+                make = swaps.get(type(child)) if isinstance(child, nn.Module) else None
+                new = make(child) if make else None
+                if new is not None:
+                    parent[key] = new
+                    swapped += 1
+    return swapped
+
+
 class EngineKVCache(KVCache):
     """A ``KVCache`` made by the engine (`make_main_cache`); full-attention
     layers take their compiled path only with one (see `mtp_engine.compiled`)."""
