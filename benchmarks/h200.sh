@@ -23,6 +23,11 @@
 #   bash benchmarks/h200.sh distill   # distill SOURCE (default the shipped model) for DISTILL_SECONDS, then the lazy chain suite on it
 #   bash benchmarks/h200.sh few-row-qmm # 80B projections by row count as MLX runs them and padded to its GEMM path,
 #                                       # then 80B verify forwards with and without the padding, interleaved
+#   bash benchmarks/h200.sh graph-settings # shipped model and 80B shapes: verify forwards under MLX's CUDA graph settings
+#                                          # (graph cache size, ops/MB per graph, graphs off), one process per setting
+#   bash benchmarks/h200.sh eval-mode # after the synthetic model's fix (inference mode, so the CUDA recurrence kernel
+#                                     # serves it): verify forwards by graph setting, then the shipped and 80B benches
+#                                     # with MLX_MAX_OPS_PER_BUFFER=300
 #   bash benchmarks/h200.sh forward-parts # where the 80B verify forward's growth with T goes (MoE, mixers and their pieces)
 #   bash benchmarks/h200.sh host-drafts # shipped model, chain modes drafted on the host CPU (C++ head) and on the GPU (MLX), one run
 #                                       # (needs _mtp_draft built for the GPU machine's Python in $EXT_DIR:
@@ -46,6 +51,29 @@ case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
   few-row-qmm)  # padding 2-7-row quantized products to MLX's GEMM path: projections, then 80B verify forwards
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-330}" python3 -u benchmarks/few_row_qmm.py \
       --json "$out/few-row-qmm.json" 2>&1 | tee "$out/few-row-qmm.log" ;;
+  graph-settings)  # one process per setting; the first (default settings, with a kernel trace) also compiles MLX's kernels
+    probe="python3 -u benchmarks/graph_settings.py --json $out/graph-settings.jsonl"
+    for setting in "" MLX_CUDA_GRAPH_CACHE_SIZE=4000 MLX_MAX_MB_PER_BUFFER=100000 MLX_MAX_OPS_PER_BUFFER=100 \
+        MLX_MAX_OPS_PER_BUFFER=300 "MLX_MAX_OPS_PER_BUFFER=100 MLX_MAX_MB_PER_BUFFER=100000 MLX_CUDA_GRAPH_CACHE_SIZE=4000" \
+        MLX_USE_CUDA_GRAPHS=0 ""; do
+      trace=$([ -z "$setting" ] && [ ! -s "$out/graph-settings.jsonl" ] && echo --trace)
+      echo "== ${setting:-default} $(date +%T)"
+      env $setting MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-300}" $probe $trace
+      env $setting MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-300}" $probe --synthetic 80b $trace
+    done 2>&1 | tee "$out/graph-settings.log" ;;
+  eval-mode)
+    probe="python3 -u benchmarks/graph_settings.py --json $out/eval-mode-settings.jsonl"
+    for setting in "" MLX_MAX_OPS_PER_BUFFER=300; do
+      env $setting MLX_CUDA_USE_CUDNN_SDPA=0 timeout 120 $probe --synthetic 80b
+    done 2>&1 | grep -v Warn | tee "$out/eval-mode-settings.log"
+    for setting in "" MLX_MAX_OPS_PER_BUFFER=300 MLX_MAX_OPS_PER_BUFFER=1000; do
+      env $setting MLX_CUDA_USE_CUDNN_SDPA=0 timeout 60 $probe
+    done 2>&1 | tee -a "$out/eval-mode-settings.log"
+    MLX_MAX_OPS_PER_BUFFER=300 MLX_CUDA_USE_CUDNN_SDPA=0 timeout 150 $bench --limit 8 --max-tokens 64 --rounds 1 \
+      --modes baseline mlx_lm chain-k2 chain-k4 chain-k6 --batch-sizes --json "$out/ops300-shipped.json" 2>&1 | tee "$out/ops300-shipped.log"
+    MLX_MAX_OPS_PER_BUFFER=300 MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-200}" $bench --synthetic 80b --limit 1 --max-tokens 32 \
+      --rounds 1 --modes baseline mlx_lm chain-k2 chain-k3 --contexts 1024 --batch-sizes \
+      --json "$out/ops300-80b.json" 2>&1 | tee "$out/ops300-80b.log" ;;
   forward-parts)  # 80B verify forward against its MoE blocks, gated-delta mixers, attention mixers and convs
     # a freshly started machine compiles MLX's kernels in the first (unmeasured) pass: minutes
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-540}" python3 -u benchmarks/forward_parts.py \

@@ -100,6 +100,10 @@ def random_quantized_checkpoint(
     for module in (model, head):
         module.set_dtype(dtype)
         nn.quantize(module, group_size=group_size, bits=bits, class_predicate=predicate)
+        # Inference mode, as mlx_lm.load leaves a model (after quantizing,
+        # whose new layers start in training mode): the engine's own
+        # recurrence (CUDA kernel, CPU primitive) serves only layers not training.
+        module.eval()
         _randomize_quantized(module, bits, seed)
     # Materialize layer by layer so no lazy float weight is ever evaluated.
     for layer in model.model.layers:
