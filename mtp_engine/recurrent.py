@@ -19,6 +19,8 @@ runs the same arithmetic as in one-token decoding.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
@@ -40,13 +42,14 @@ class CheckpointArraysCache(ArraysCache):
         capture: When True, the next forward through a checkpointing layer
             records ``checkpoints`` (it resets ``capture`` afterwards).
         checkpoints: ``checkpoints[i]`` is ``[conv_state, ssm_state]`` after
-            token ``i`` of the last captured forward, or None.
+            token ``i`` of the last captured forward (a `Checkpoints`
+            sequence, which builds only the items asked for), or None.
     """
 
     def __init__(self, size: int = 2):
         super().__init__(size)
         self.capture: bool = False
-        self.checkpoints: list[list[mx.array]] | None = None
+        self.checkpoints: Checkpoints | None = None
 
     def begin_capture(self) -> None:
         self.capture = True
@@ -55,6 +58,55 @@ class CheckpointArraysCache(ArraysCache):
     def clear_checkpoints(self) -> None:
         self.capture = False
         self.checkpoints = None
+
+
+class ConvWindows(Sequence):
+    """The conv window after each token of a forward, sliced only when
+    asked for: item ``t`` is the ``n_keep`` conv inputs ending at token ``t``
+    of ``conv_input`` (which starts with the ``n_keep`` inputs before the
+    forward). A verify forward keeps every token's window but commits one,
+    so building the others (two operations per token and layer) is waste."""
+
+    def __init__(self, conv_input: mx.array, n_keep: int):
+        self.conv_input = conv_input
+        self.n_keep = n_keep
+
+    def __len__(self) -> int:
+        return self.conv_input.shape[1] - self.n_keep
+
+    def __getitem__(self, t: int) -> mx.array:
+        t = range(len(self))[t]  # negative indices; IndexError past the end
+        return mx.contiguous(self.conv_input[:, t + 1 : t + 1 + self.n_keep, :])
+
+
+class StackedStates(Sequence):
+    """Rows of a ``[T, ...]`` array of per-token recurrent states, taken
+    only when asked for."""
+
+    def __init__(self, states: mx.array):
+        self.states = states
+
+    def __len__(self) -> int:
+        return self.states.shape[0]
+
+    def __getitem__(self, t: int) -> mx.array:
+        return self.states[range(len(self))[t]]
+
+
+class Checkpoints(Sequence):
+    """``[conv_state, ssm_state]`` after each token of a captured forward."""
+
+    def __init__(self, conv_states: Sequence, ssm_states: Sequence):
+        if len(conv_states) != len(ssm_states):
+            raise ValueError(f"{len(conv_states)} conv windows for {len(ssm_states)} recurrent states")
+        self.conv_states = conv_states
+        self.ssm_states = ssm_states
+
+    def __len__(self) -> int:
+        return len(self.ssm_states)
+
+    def __getitem__(self, t: int) -> list[mx.array]:
+        return [self.conv_states[t], self.ssm_states[t]]
 
 
 def share_weights(cls: type, layer: nn.Module) -> nn.Module:
@@ -125,7 +177,7 @@ def mix_tokens(
     state: mx.array | None,
     mask: mx.array | None = None,
     keep_states: bool = True,
-) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+) -> tuple[mx.array, Sequence, Sequence]:
     """A gated-delta layer's forward over ``S`` tokens, with its states.
 
     Mirrors ``Qwen3NextGatedDeltaNet.__call__`` (mlx-lm 0.32) but runs the
@@ -144,7 +196,8 @@ def mix_tokens(
     Returns:
         ``(out, conv_states, ssm_states)``: the layer output ``[B, S, dim]``
         and, for every token ``t`` (the last only, unless ``keep_states``),
-        the conv window and recurrent state after it.
+        the conv window and recurrent state after it (sequences whose items
+        are built when read: a verify forward commits one of them).
     """
     B, S, _ = inputs.shape
     q, k, v, z, b, a = layer.fix_query_key_value_ordering(
@@ -157,8 +210,8 @@ def mix_tokens(
     if mask is not None:
         mixed_qkv = mx.where(mask[..., None], mixed_qkv, 0)
     conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)  # [B, n_keep+S, C]
-    kept = range(S) if keep_states else [S - 1]
-    conv_states = [mx.contiguous(conv_input[:, t + 1 : t + 1 + n_keep, :]) for t in kept]
+    windows = ConvWindows(conv_input, n_keep)
+    conv_states = windows if keep_states else [windows[-1]]
     conv_out = cpu_activations.silu(layer.conv1d(conv_input))  # nn.silu, vectorized on the CPU
     q, k, v = [
         t.reshape(B, S, h, d)
@@ -176,7 +229,7 @@ def mix_tokens(
     return layer.out_proj(out.reshape(B, S, -1)), conv_states, ssm_states
 
 
-def _recurrence(layer, q, k, v, a, b, state, mask, keep_states) -> tuple[mx.array, list[mx.array]]:
+def _recurrence(layer, q, k, v, a, b, state, mask, keep_states) -> tuple[mx.array, Sequence]:
     """Outputs ``[B, S, Hv, Dv]`` and states (after every token, or the last
     only) of the gated-delta recurrence, each token with the arithmetic of
     one-token decoding on this backend:
@@ -194,7 +247,7 @@ def _recurrence(layer, q, k, v, a, b, state, mask, keep_states) -> tuple[mx.arra
         out, states = cuda_recurrence.gated_delta_tokens(
             q, k, v, a, b, layer.A_log, layer.dt_bias, state, keep_states
         )
-        return out, [states[i] for i in range(states.shape[0])]
+        return out, StackedStates(states)
 
     if mask is None and mx.default_device() == mx.cpu:
         beta = mx.sigmoid(b)
@@ -203,7 +256,7 @@ def _recurrence(layer, q, k, v, a, b, state, mask, keep_states) -> tuple[mx.arra
             q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
         if cpu_recurrence.serves(layer):
             out, states = cpu_recurrence.gated_delta_tokens(q, k, v, g, beta, state, keep_states)
-            return out, [states[i] for i in range(states.shape[0])]
+            return out, StackedStates(states)
 
         def step(t: int, state: mx.array) -> tuple[mx.array, mx.array]:
             y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
@@ -235,7 +288,7 @@ def _recurrence(layer, q, k, v, a, b, state, mask, keep_states) -> tuple[mx.arra
 
 
 def record_checkpoints(
-    cache: CheckpointArraysCache, tokens: int, conv_states: list[mx.array], ssm_states: list[mx.array]
+    cache: CheckpointArraysCache, tokens: int, conv_states: Sequence, ssm_states: Sequence
 ) -> None:
     """Advance ``cache`` past the ``tokens`` of ``mix_tokens`` and, when it
     is capturing, keep their per-token states as its checkpoints."""
@@ -243,7 +296,7 @@ def record_checkpoints(
     cache[1] = ssm_states[-1]
     cache.advance(tokens)
     if cache.capture:
-        cache.checkpoints = [[c, s] for c, s in zip(conv_states, ssm_states)]
+        cache.checkpoints = Checkpoints(conv_states, ssm_states)
         cache.capture = False
 
 

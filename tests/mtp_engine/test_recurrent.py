@@ -112,3 +112,24 @@ def test_batched_capture_rows_are_independent(loaded):
                 for (bc, bs), (sc, ss) in zip(cb.checkpoints, cs.checkpoints):
                     assert mx.array_equal(bc[r : r + 1], sc)
                     assert mx.array_equal(bs[r : r + 1], ss)
+
+
+def test_checkpoints_index_like_a_list(loaded):
+    """Checkpoints are built when read; they index as the list they replace."""
+    model, _ = loaded
+    caches = _prefill(model, [1, 2, 3, 4, 5])
+    for c in caches:
+        if isinstance(c, CheckpointArraysCache):
+            c.begin_capture()
+    model(mx.array([[6, 7, 8]]), cache=caches)
+    linear = [c for c in caches if isinstance(c, CheckpointArraysCache)]
+    assert linear
+    for c in linear:
+        checkpoints = c.checkpoints
+        assert len(checkpoints) == 3 and len(list(checkpoints)) == 3
+        last_conv, last_ssm = checkpoints[-1]
+        assert mx.array_equal(last_conv, checkpoints[2][0]) and mx.array_equal(last_ssm, checkpoints[2][1])
+        # The last checkpoint is the state the forward left in the cache.
+        assert mx.array_equal(last_conv, c[0]) and mx.array_equal(last_ssm, c[1])
+        with pytest.raises(IndexError):
+            checkpoints[3]
