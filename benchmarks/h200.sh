@@ -28,6 +28,7 @@
 #   bash benchmarks/h200.sh eval-mode # after the synthetic model's fix (inference mode, so the CUDA recurrence kernel
 #                                     # serves it): verify forwards by graph setting, then the shipped and 80B benches
 #                                     # with MLX_MAX_OPS_PER_BUFFER=300
+#   bash benchmarks/h200.sh eval-mode-final # 80B shapes at 1K and 8K (2 rounds), then the shipped model's chain modes
 #   bash benchmarks/h200.sh forward-parts # where the 80B verify forward's growth with T goes (MoE, mixers and their pieces)
 #   bash benchmarks/h200.sh host-drafts # shipped model, chain modes drafted on the host CPU (C++ head) and on the GPU (MLX), one run
 #                                       # (needs _mtp_draft built for the GPU machine's Python in $EXT_DIR:
@@ -74,6 +75,12 @@ case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
     MLX_MAX_OPS_PER_BUFFER=300 MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-200}" $bench --synthetic 80b --limit 1 --max-tokens 32 \
       --rounds 1 --modes baseline mlx_lm chain-k2 chain-k3 --contexts 1024 --batch-sizes \
       --json "$out/ops300-80b.json" 2>&1 | tee "$out/ops300-80b.log" ;;
+  eval-mode-final)  # the README's latest 80B table, then the shipped model in the same call
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-330}" $bench --synthetic 80b --limit 1 --max-tokens 48 --rounds 2 \
+      --modes baseline chain-k2 chain-k3 --contexts 1024 8192 --batch-sizes --time-budget 280 \
+      --json "$out/final-80b.json" 2>&1 | tee "$out/final-80b.log"
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout 200 $bench --limit 8 --max-tokens 64 --rounds 2 \
+      --modes baseline chain-k2 chain-k4 chain-k6 --batch-sizes --json "$out/final-shipped.json" 2>&1 | tee "$out/final-shipped.log" ;;
   forward-parts)  # 80B verify forward against its MoE blocks, gated-delta mixers, attention mixers and convs
     # a freshly started machine compiles MLX's kernels in the first (unmeasured) pass: minutes
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-540}" python3 -u benchmarks/forward_parts.py \
