@@ -32,32 +32,11 @@ import statistics
 import time
 from collections import defaultdict
 
-import mlx.core as mx
-
 from mtp_engine.backend import prefer_mlx_attention
-from mtp_engine.bench import prefilled_caches
+from mtp_engine.bench import prefilled_caches, verify_forward
 from mtp_engine.engine import MTPEngine
-from mtp_engine.recurrent import CheckpointArraysCache
 
 SETTINGS = ("MLX_USE_CUDA_GRAPHS", "MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_CUDA_GRAPH_CACHE_SIZE")
-
-
-def _forward(engine: MTPEngine, caches: list, width: int) -> tuple[float, float]:
-    """One verify forward over ``width`` tokens, rolled back; (build, eval) seconds."""
-    for c in caches:
-        if isinstance(c, CheckpointArraysCache):
-            c.begin_capture()
-    t0 = time.perf_counter()
-    logits = engine.lm_head(engine.model.model(mx.array([[7] * width]), cache=caches))
-    t1 = time.perf_counter()
-    mx.eval(logits, [c.state for c in caches])
-    t2 = time.perf_counter()
-    for c in caches:
-        if c.is_trimmable():
-            c.trim(width)
-        else:
-            c.clear_checkpoints()
-    return t1 - t0, t2 - t1
 
 
 def _trace(engine: MTPEngine, caches: list, widths: list[int], repeats: int) -> dict:
@@ -71,7 +50,7 @@ def _trace(engine: MTPEngine, caches: list, widths: list[int], repeats: int) -> 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             t = time.perf_counter()
             for _ in range(repeats):
-                _forward(engine, caches, w)
+                verify_forward(engine, caches, w)
             wall = time.perf_counter() - t
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
@@ -100,14 +79,14 @@ def probe(engine: MTPEngine, name: str, context: int, widths: list[int], repeats
     caches = prefilled_caches(engine, [(7 * i) % 1000 + 3 for i in range(context)])
     for _ in range(2):  # warm-up: every width's kernels and graphs
         for w in widths:
-            _forward(engine, caches, w)
+            verify_forward(engine, caches, w)
     runs = {w: [] for w in widths}
     for _ in range(repeats):
         for w in widths:
-            runs[w].append(_forward(engine, caches, w))
+            runs[w].append(verify_forward(engine, caches, w))
     same = {}
     for w in (widths[0], 4):
-        same[w] = statistics.median(sum(_forward(engine, caches, w)) for _ in range(repeats))
+        same[w] = statistics.median(sum(verify_forward(engine, caches, w)) for _ in range(repeats))
     total = {w: statistics.median(sum(r) for r in runs[w]) for w in widths}
     report = {
         "model": name,

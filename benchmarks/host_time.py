@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import mlx.core as mx
 
 from mtp_engine.backend import prefer_mlx_attention
-from mtp_engine.bench import prefilled_caches
+from mtp_engine.bench import prefilled_caches, verify_forward
 from mtp_engine.engine import MTPEngine
-from mtp_engine.recurrent import CheckpointArraysCache
 
 
 def main() -> None:
@@ -37,30 +35,13 @@ def main() -> None:
         engine = MTPEngine(random_quantized_checkpoint(qwen3_next_80b_config()))
     else:
         engine = MTPEngine.load(args.model)
-    model = engine.model
     caches = prefilled_caches(engine, [(7 * i) % 1000 + 3 for i in range(args.context)])
-
-    def once(width: int) -> tuple[float, float]:
-        for c in caches:
-            if isinstance(c, CheckpointArraysCache):
-                c.begin_capture()
-        t0 = time.perf_counter()
-        logits = engine.lm_head(model.model(mx.array([[7] * width]), cache=caches))
-        t1 = time.perf_counter()
-        mx.eval(logits, [c.state for c in caches])
-        t2 = time.perf_counter()
-        for c in caches:
-            if c.is_trimmable():
-                c.trim(width)
-            else:
-                c.clear_checkpoints()
-        return t1 - t0, t2 - t1
 
     print(f"{args.synthetic or args.model} on {mx.default_device()}, context {args.context}")
     base = None
     for width in (1, 2, 3, 4):
-        once(width)
-        runs = [once(width) for _ in range(args.repeats)]
+        verify_forward(engine, caches, width)
+        runs = [verify_forward(engine, caches, width) for _ in range(args.repeats)]
         build = statistics.median(r[0] for r in runs)
         run = statistics.median(r[1] for r in runs)
         total = statistics.median(r[0] + r[1] for r in runs)

@@ -235,19 +235,28 @@ def prefilled_caches(engine: MTPEngine, context: list[int], chunk: int = 2048) -
     return caches
 
 
-def verify_forward(engine: MTPEngine, caches: list, width: int) -> None:
+def verify_forward(engine: MTPEngine, caches: list, width: int) -> tuple[float, float]:
     """One verify forward over ``width`` tokens on ``caches`` (checkpoints
-    on, logits of every token), evaluated, then rolled back."""
+    on, logits of every token), evaluated, then rolled back.
+
+    Returns:
+        Seconds of host graph building (up to the lazy logits) and of the
+        evaluation.
+    """
     for c in caches:
         if isinstance(c, CheckpointArraysCache):
             c.begin_capture()
-    h = engine.model.model(mx.array([[7] * width]), cache=caches)
-    mx.eval(engine.lm_head(h), [c.state for c in caches])
+    t0 = time.perf_counter()
+    logits = engine.lm_head(engine.model.model(mx.array([[7] * width]), cache=caches))
+    t1 = time.perf_counter()
+    mx.eval(logits, [c.state for c in caches])
+    t2 = time.perf_counter()
     for c in caches:
         if c.is_trimmable():
             c.trim(width)
         else:
             c.clear_checkpoints()
+    return t1 - t0, t2 - t1
 
 
 def _median_seconds(fn, repeats: int) -> float:
