@@ -29,7 +29,7 @@ from mlx_lm.generate import generate_step
 from mtp_engine.backend import cpu_blas, few_rows, prefer_mlx_attention
 from mtp_engine.compiled import CompiledDecoderLayer
 from mtp_engine.engine import MTPEngine
-from mtp_engine.recurrent import CheckpointArraysCache, make_main_cache
+from mtp_engine.recurrent import CheckpointArraysCache, make_main_cache, recurrence_path
 
 DEFAULT_MODEL = "models/qwen3-next-tiny-stdlib"
 DEFAULT_PROMPTS = "examples/prompts.jsonl"
@@ -428,9 +428,11 @@ def main(argv=None) -> int:
         model_name = args.model
     started = time.perf_counter()
     compiled = any(isinstance(layer, CompiledDecoderLayer) for layer in engine.model.layers)
-    report = {"model": model_name, "machine": machine_info(), "compiled_layers": compiled, "runs": []}
+    report = {"model": model_name, "machine": machine_info(), "compiled_layers": compiled,
+              "recurrence": recurrence_path(engine.model), "runs": []}
     log(f"{model_name} on {report['machine']['device']}"
-        + (f", BLAS: {report['machine']['blas']}" if "blas" in report["machine"] else ""))
+        + (f", BLAS: {report['machine']['blas']}" if "blas" in report["machine"] else "")
+        + f", recurrence: {report['recurrence']}")
     for i, context in enumerate(args.contexts or [args.context]):
         if args.time_budget and time.perf_counter() - started > args.time_budget:
             log(f"time budget spent; skipping context {context}")

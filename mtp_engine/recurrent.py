@@ -320,6 +320,23 @@ def install_checkpointing(model: nn.Module) -> int:
     return count
 
 
+def recurrence_path(model: nn.Module) -> str:
+    """Which code runs the gated-delta recurrence in ``model``'s engine
+    forwards: "cuda kernel" (`mtp_engine.cuda_recurrence`), "cpu primitive"
+    (`mtp_engine.cpu_recurrence`), "mlx-lm ops" (one step of mlx-lm's ops or
+    kernel per token: Metal, bfloat16 on the CPU, a model left in training
+    mode) or "none" (no gated-delta layers). Benchmarks report it: the same
+    model times very differently on the first two and the third."""
+    layers = [layer.linear_attn for layer in model.layers if getattr(layer, "is_linear", False)]
+    if not layers:
+        return "none"
+    if cuda_recurrence.serves(layers[0]):
+        return "cuda kernel"
+    if cpu_recurrence.serves(layers[0]):
+        return "cpu primitive"
+    return "mlx-lm ops"
+
+
 def make_main_cache(model: nn.Module) -> list:
     """Fresh caches for the main model: KV for attention, checkpointable arrays
     for gated-delta layers."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from mtp_engine import cpu_recurrence
 from mtp_engine.bench import main
 
 
@@ -28,6 +29,9 @@ def test_bench_report(tmp_path, tiny_path):
     assert set(report["cost_model"]["forward_ratio"]) >= {"1", "2", "4"}
     assert {b["mode"] for b in report["dataset_throughput"]} >= {"batch-b1", "batch-b2"}
     assert report["compiled_layers"] is True  # the CPU default
+    # Which code ran the recurrence is part of the report (float32 on the CPU:
+    # the primitive where `make install` built it, else mlx-lm's ops).
+    assert report["recurrence"] == ("cpu primitive" if cpu_recurrence.extension() is not None else "mlx-lm ops")
 
 
 def test_bench_eager_layers_give_the_same_tokens(tmp_path, tiny_path):

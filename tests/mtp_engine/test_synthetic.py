@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mtp_engine import MTPEngine, cpu_recurrence
+from mtp_engine.recurrent import recurrence_path
 from mtp_engine.synthetic import qwen3_next_80b_config, random_quantized_checkpoint
 
 PROMPT = [12, 7, 99, 31, 5, 150, 42, 8, 77, 3]
@@ -47,6 +48,15 @@ def test_synthetic_models_are_built_for_inference(synthetic):
     assert len(linear) == 3
     if cpu_recurrence.extension() is not None:
         assert all(cpu_recurrence.serves(layer) for layer in linear)
+        assert recurrence_path(synthetic.model) == "cpu primitive"
+
+
+def test_recurrence_path_names_a_model_left_training(synthetic):
+    try:
+        synthetic.model.train()
+        assert recurrence_path(synthetic.model) == "mlx-lm ops"
+    finally:
+        synthetic.model.eval()
 
 
 def test_synthetic_speculative_decoding_equals_plain_decoding(synthetic):
