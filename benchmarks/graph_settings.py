@@ -35,6 +35,7 @@ from collections import defaultdict
 from mtp_engine.backend import prefer_mlx_attention
 from mtp_engine.bench import prefilled_caches, verify_forward
 from mtp_engine.engine import MTPEngine
+from mtp_engine.recurrent import recurrence_path
 
 SETTINGS = ("MLX_USE_CUDA_GRAPHS", "MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER", "MLX_CUDA_GRAPH_CACHE_SIZE")
 
@@ -90,6 +91,7 @@ def probe(engine: MTPEngine, name: str, context: int, widths: list[int], repeats
     total = {w: statistics.median(sum(r) for r in runs[w]) for w in widths}
     report = {
         "model": name,
+        "recurrence": recurrence_path(engine.model),
         "settings": {k: os.environ.get(k) for k in SETTINGS},
         "context": context,
         "forward_ms": {w: round(1e3 * total[w], 2) for w in widths},
