@@ -117,6 +117,11 @@ class MTPEngine:
     ):
         self.checkpoint = checkpoint
         self.model = checkpoint.model
+        # Inference mode, as mlx_lm.load leaves a model: the engine's own
+        # recurrence serves only layers that are not training (a model left
+        # training would decode the same tokens through mlx-lm's per-token ops).
+        self.model.eval()
+        checkpoint.head.eval()
         self.tokenizer = checkpoint.tokenizer
         self.config = checkpoint.config
         self.use_checkpoints = use_checkpoints

@@ -64,3 +64,13 @@ def test_synthetic_speculative_decoding_equals_plain_decoding(synthetic):
     plain = engine.generate(PROMPT, max_tokens=24, mode="baseline").tokens
     for mode in ("chain", "tree"):
         assert engine.generate(PROMPT, max_tokens=24, mode=mode, draft_tokens=3).tokens == plain, mode
+
+
+def test_engine_puts_its_models_in_inference_mode():
+    checkpoint = random_quantized_checkpoint(_small_80b_pattern(), compile_layers=False, seed=1)
+    checkpoint.model.train()
+    checkpoint.head.train()
+    MTPEngine(checkpoint)
+    for module in (checkpoint.model, checkpoint.head):
+        assert all(not m.training for _, m in module.named_modules())
+    assert recurrence_path(checkpoint.model) != "mlx-lm ops" or cpu_recurrence.extension() is None
