@@ -37,6 +37,7 @@ from mlx_lm.models.switch_layers import SwiGLU
 
 from mtp_engine.backend import load_extension
 
+
 def _works(module) -> bool:
     x = mx.array([-1.0, 0.0, 2.0])
     return mx.array_equal(module.silu(x), nn.silu(x)).item()
@@ -159,7 +160,7 @@ def install_fast_activations(*modules: nn.Module) -> int:
     from mtp_engine.recurrent import share_weights, swap_modules  # recurrent imports this module
 
     return swap_modules(modules, {
-        SwiGLU: lambda _: FastSwiGLU(),
+        SwiGLU: lambda m: share_weights(FastSwiGLU, m),
         Qwen3NextMLP: lambda m: share_weights(FastMLP, m),
         Qwen3NextRMSNormGated: lambda m: share_weights(FastGatedNorm, m),
         Qwen3NextAttention: lambda m: share_weights(FastAttention, m),

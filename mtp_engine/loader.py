@@ -145,10 +145,9 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 def load_checkpoint(
     path: str | Path, dtype: str | None = None, compile_layers: bool | None = None
 ) -> LoadedCheckpoint:
-    """Load trunk, MTP head and tokenizer, and install per-token checkpoints,
-    on the CPU vectorized SiLU for wide forwards (`mtp_engine.cpu_activations`)
-    and, where ``compile_layers`` says so, compiled decoder layers (see
-    `mtp_engine.compiled`; default: on MLX's CPU backend only).
+    """Load trunk, MTP head and tokenizer, and install the engine's layers
+    (`install_engine_layers`: per-token checkpoints, on the CPU the vectorized
+    activations, and compiled decoder layers where ``compile_layers`` says so).
 
     Args:
         path: A local folder in the Hub layout (single or sharded safetensors)
@@ -184,8 +183,17 @@ def load_checkpoint(
             module.set_dtype(DTYPES[dtype])
         mx.eval(model.parameters(), head.parameters())
     tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+    install_engine_layers(model, head, compile_layers)
+    return LoadedCheckpoint(model=model, head=head, tokenizer=tokenizer, config=config, path=folder)
+
+
+def install_engine_layers(model: nn.Module, head: MTPHead, compile_layers: bool | None = None) -> None:
+    """Swap in what the engine runs on a trunk and head with their final
+    weights: per-token checkpoints, on the CPU the vectorized activations
+    (`mtp_engine.cpu_activations`) and, where ``compile_layers`` says so,
+    compiled decoder layers (see `mtp_engine.compiled`; default: on MLX's
+    CPU backend only)."""
     install_checkpointing(model)
     install_fast_activations(model, head)
     if wants_compiled_layers(compile_layers):
         install_compiled_layers(model, head)
-    return LoadedCheckpoint(model=model, head=head, tokenizer=tokenizer, config=config, path=folder)

@@ -14,10 +14,8 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from mtp_engine.compiled import install_compiled_layers, wants_compiled_layers
-from mtp_engine.loader import LoadedCheckpoint
+from mtp_engine.loader import LoadedCheckpoint, install_engine_layers
 from mtp_engine.mtp_head import build_models
-from mtp_engine.recurrent import install_checkpointing
 from mtp_engine.tiny_checkpoint import tiny_config, tiny_tokenizer
 
 
@@ -109,9 +107,7 @@ def random_quantized_checkpoint(
     for layer in model.model.layers:
         mx.eval(layer.parameters())
     mx.eval(model.parameters(), head.parameters())
-    install_checkpointing(model)
-    if wants_compiled_layers(compile_layers):
-        install_compiled_layers(model, head)
+    install_engine_layers(model, head, compile_layers)
 
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from transformers import PreTrainedTokenizerFast
