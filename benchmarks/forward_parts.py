@@ -31,7 +31,7 @@ from mlx_lm.models.gated_delta import normalize_qk
 from mtp_engine.backend import prefer_mlx_attention
 from mtp_engine.bench import prefilled_caches, verify_forward
 from mtp_engine.engine import MTPEngine
-from mtp_engine.recurrent import _recurrence  # the engine's recurrence as a verify forward runs it
+from mtp_engine.recurrent import ConvWindows, _recurrence  # the engine's recurrence as a verify forward runs it
 from mtp_engine.synthetic import qwen3_next_80b_config, random_quantized_checkpoint
 
 
@@ -71,7 +71,7 @@ def main() -> None:
         for m, c in linear:
             c.begin_capture()
             outs.append(m(x, None, c))
-        mx.eval(outs, [c.checkpoints for _, c in linear])
+        mx.eval(outs, [list(c.checkpoints) for _, c in linear])  # every token's checkpoint, built
         for (_, c), (conv, state) in zip(linear, saved):
             c[0], c[1] = conv, state
             c.clear_checkpoints()
@@ -109,9 +109,8 @@ def main() -> None:
         q, k, v, a, b, _ = rec_in[w]
         mx.eval([_recurrence(m, q, k, v, a, b, c[1], None, True) for m, c in linear])
 
-    def conv_windows(w):  # the per-token conv windows a verify forward keeps
-        ci = conv_in[w]
-        mx.eval([[mx.contiguous(ci[:, t + 1 : t + 4, :]) for t in range(w)] for _ in linear])
+    def conv_windows(w):  # every token's conv window (verify forwards built them all before lazy checkpoints)
+        mx.eval([list(ConvWindows(conv_in[w], 3)) for _ in linear])
 
     def output(w):  # gated norm and out_proj
         _, _, v, _, _, z = rec_in[w]

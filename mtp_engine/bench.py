@@ -185,14 +185,10 @@ def forward_costs(engine: MTPEngine, context: list[int], widths: list[int], repe
     MTP draft step, after a prefill of ``context`` (medians of ``repeats``)."""
     model = engine.model
     caches = prefilled_caches(engine, context)
-
-    def verify(width):
-        verify_forward(engine, caches, width)
-
     out = {}
     for width in widths:
-        verify(width)
-        out[width] = _median_seconds(lambda: verify(width), repeats)
+        verify_forward(engine, caches, width)
+        out[width] = _median_seconds(lambda: verify_forward(engine, caches, width), repeats)
     n = min(64, len(context))
     hidden = model.model(mx.array(context[-n:])[None], cache=make_main_cache(model))
     pairs = context[len(context) - n + 1 :] + [7]

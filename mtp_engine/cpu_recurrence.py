@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from mtp_engine.backend import load_extension
 
+
 def _works(module) -> bool:
     x = mx.ones((1, 1, 1, 2))
     gate = mx.ones((1, 1, 1))
