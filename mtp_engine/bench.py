@@ -45,12 +45,19 @@ MODE_SPECS = {
     # The same chains drafted by the MLX head, where the C++ one is the default.
     "chain-k4-mlxdraft": dict(mode="chain", draft_tokens=4, drafter="mlx"),
     "chain-k6-mlxdraft": dict(mode="chain", draft_tokens=6, drafter="mlx"),
+    # Not in the default run: the MLX head without compilation, and K=8.
+    "chain-k4-eagerhead": dict(mode="chain", draft_tokens=4, drafter="mlx-eager"),
+    "chain-k6-eagerhead": dict(mode="chain", draft_tokens=6, drafter="mlx-eager"),
+    "chain-k8": dict(mode="chain", draft_tokens=8),
     "adaptive-k5": dict(mode="adaptive", draft_tokens=5, tau=0.5),
     "tree-k3": dict(mode="tree", draft_tokens=3),
     "adaptive_tree-k5": dict(mode="adaptive_tree", draft_tokens=5, tau=0.5),
     "paths-k3-p2": dict(mode="paths", draft_tokens=3, paths=2),
     "paths-k3-p3": dict(mode="paths", draft_tokens=3, paths=3),
 }
+
+DEFAULT_MODES = tuple(n for n in MODE_SPECS if not n.endswith("-eagerhead") and n != "chain-k8")
+"""What ``make bench`` times (the other specs are for ``--modes``)."""
 
 
 @dataclass
@@ -194,31 +201,41 @@ def forward_costs(engine: MTPEngine, context: list[int], widths: list[int], repe
     pairs = context[len(context) - n + 1 :] + [7]
     h1 = hidden[:, -1:]
     drafter = engine.drafter_for("chain")
-    state = drafter.new_state()
-    drafter.set_pending(state, hidden, pairs)
-    if drafter is engine.drafter:
-        drafter.first_step(state)
-
-        def mtp_step():
-            logits, _ = drafter.step(state, h1, 7)
-            int(mx.argmax(logits))
-            drafter.rewind(state, state.base)
-
-    else:  # the C++ drafter: one pair in, one draft out, is one step
+    out = {"verify_s": out, "drafter": "c++" if drafter is engine.native_drafter else "mlx"}
+    if drafter is engine.native_drafter:  # one pair in, one draft out, is one step
+        state = drafter.new_state()
+        drafter.set_pending(state, hidden, pairs)
         drafter.draft(state, 1)
         h1 = mx.contiguous(h1)
         mx.eval(h1)
 
-        def mtp_step():
+        def native_step():
             state.session.draft(h1, [7], 1)
             state.session.rewind(state.base)
 
-    mtp_step()
-    return {
-        "verify_s": out,
-        "mtp_step_s": _median_seconds(mtp_step, repeats),
-        "drafter": "mlx" if drafter is engine.drafter else "c++",
-    }
+        native_step()
+        out["mtp_step_s"] = _median_seconds(native_step, repeats)
+    else:
+        out["mtp_step_s"] = _mlx_step_seconds(drafter, hidden, pairs, h1, repeats)
+    if engine.eager_drafter is not engine.drafter and drafter is not engine.native_drafter:
+        out["mtp_step_eager_s"] = _mlx_step_seconds(engine.eager_drafter, hidden, pairs, h1, repeats)
+    return out
+
+
+def _mlx_step_seconds(drafter, hidden, pairs, h1, repeats: int) -> float:
+    """Median seconds of one MLX draft step (a pair in, its greedy token read
+    back) after the head consumed ``pairs``."""
+    state = drafter.new_state()
+    drafter.set_pending(state, hidden, pairs)
+    drafter.first_step(state)
+
+    def step():
+        logits, _ = drafter.step(state, h1, 7)
+        int(mx.argmax(logits))
+        drafter.rewind(state, state.base)
+
+    step()
+    return _median_seconds(step, repeats)
 
 
 def prefilled_caches(engine: MTPEngine, context: list[int], chunk: int = 2048) -> list:
@@ -280,12 +297,21 @@ def cost_model(costs: dict, rows: list[dict], totals: dict | None = None) -> dic
         "chain_drafter": costs.get("drafter", "mlx"),
         "predicted": [],
     }
+    if "mtp_step_eager_s" in costs:
+        out["mtp_step_eager_ratio"] = round(costs["mtp_step_eager_s"] / t1, 3)
     for row in rows:
         p = row["params"] or {}
-        if p.get("mode") != "chain" or p.get("drafter") == "mlx" or not row["acceptance_length"]:
-            continue  # the cost model times the default chain drafter
+        drafter = p.get("drafter", "auto")
+        if drafter == "mlx-eager" and "mtp_step_eager_s" in costs:
+            mtp_step = costs["mtp_step_eager_s"]
+        elif drafter == "auto":
+            mtp_step = costs["mtp_step_s"]
+        else:
+            continue  # the cost model times the default chain drafter (and the eager MLX head)
+        if p.get("mode") != "chain" or not row["acceptance_length"]:
+            continue
         k = p["draft_tokens"]
-        step = k * costs["mtp_step_s"] + v.get(k + 1, t1)
+        step = k * mtp_step + v.get(k + 1, t1)
         predicted = row["acceptance_length"] * t1 / step
         measured = row["decode_speedup"]
         entry = {
@@ -374,7 +400,9 @@ def print_table(report: dict, log) -> None:
             f"{'yes' if r['identical'] else 'NO':>7}{ds:>8}{vs:>8}{r['peak_memory_gb']:>8.2f}")
     cm = report.get("cost_model")
     if cm:
-        log(f"cost model: forward(T)/forward(1) = {cm['forward_ratio']}, MTP step = {cm['mtp_step_ratio']} x forward(1) ({cm.get('chain_drafter', 'mlx')} drafter), forward(1) = {cm['forward_1_ms']} ms")
+        log(f"cost model: forward(T)/forward(1) = {cm['forward_ratio']}, MTP step = {cm['mtp_step_ratio']} x forward(1) ({cm.get('chain_drafter', 'mlx')} drafter)"
+            + (f", {cm['mtp_step_eager_ratio']} with the eager MLX head" if "mtp_step_eager_ratio" in cm else "")
+            + f", forward(1) = {cm['forward_1_ms']} ms")
         for p in cm["predicted"]:
             extra = f", step {p['step_ms']} ms of which forwards {p['forwards_ms']} ms, overhead {100 * p['overhead_share']:.0f}%" if "step_ms" in p else ""
             log(f"  {p['mode']}: predicted {p['predicted_speedup']}x, measured {p['measured_speedup']}x, efficiency {p['efficiency']}{extra}")
@@ -389,7 +417,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", default=DEFAULT_PROMPTS)
     parser.add_argument("--limit", type=int, default=12, help="prompts to time")
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--modes", nargs="+", default=list(MODE_SPECS), choices=list(MODE_SPECS))
+    parser.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=list(MODE_SPECS))
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the prompts")
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 16, 32])
     parser.add_argument("--context", type=int, default=None, help="pad prompts to this many tokens")

@@ -29,6 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from mtp_engine.compiled_head import MAX_COMPILED_WIDTH, CompiledHead
 from mtp_engine.mtp_head import MTPHead
 
 
@@ -63,13 +64,23 @@ class MTPDrafter:
         lm_head: Maps hiddens to logits (the trunk's LM head).
         prefill_step_size: Pending pairs consumed per forward at most, so a
             long prompt's MTP prefill is chunked like the trunk's.
+        compiled: Run draft forwards of up to `MAX_COMPILED_WIDTH` pairs
+            through a `CompiledHead` (the head's weights as they are now).
     """
 
-    def __init__(self, head: MTPHead, embed: nn.Module, lm_head, prefill_step_size: int = 2048):
+    def __init__(
+        self,
+        head: MTPHead,
+        embed: nn.Module,
+        lm_head,
+        prefill_step_size: int = 2048,
+        compiled: bool = False,
+    ):
         self.head = head
         self.embed = embed
         self.lm_head = lm_head
         self.prefill_step_size = prefill_step_size
+        self.compiled = CompiledHead(head, embed, lm_head) if compiled else None
 
     def new_state(self) -> MTPDraftState:
         return MTPDraftState(cache=self.head.make_cache())
@@ -106,12 +117,21 @@ class MTPDrafter:
     # -- forwards ----------------------------------------------------------
 
     def _forward(self, state: MTPDraftState, hidden: mx.array, tokens: mx.array):
+        """Logits ``[vocab]``, hidden ``M`` ``[1, 1, dim]`` and greedy token
+        ``[1, 1]`` int32 of the last of the pairs (lazy)."""
+        if self.compiled is not None and tokens.shape[1] <= MAX_COMPILED_WIDTH:
+            return self.compiled(hidden, tokens, state.cache)
         m = self.head(hidden, self.embed(tokens), state.cache)  # [1, L, dim]
         m_last = m[:, -1:, :]
-        return self.lm_head(m_last)[0, 0], m_last  # [vocab], [1, 1, dim]
+        logits = self.lm_head(m_last)[0, 0]
+        return logits, m_last, mx.argmax(logits).astype(mx.int32).reshape(1, 1)
 
     def first_step(self, state: MTPDraftState):
         """Consume the pending pairs; return logits and hidden of the last one."""
+        return self._forward_pending(state)[:2]
+
+    def _forward_pending(self, state: MTPDraftState):
+        """`first_step` with the greedy token as a third, lazy output."""
         hidden, tokens = state.pending_hidden, state.pending_tokens
         if hidden is None or not tokens:
             raise RuntimeError("first_step needs pending pairs (set_pending/commit)")
@@ -130,14 +150,14 @@ class MTPDrafter:
 
     def step(self, state: MTPDraftState, hidden: mx.array, token: int):
         """One draft step from ``(hidden, token)``; returns logits and ``M``."""
-        return self._forward(state, hidden, mx.array([[token]]))
+        return self._forward(state, hidden, mx.array([[token]]))[:2]
 
     def _continue(self, state: MTPDraftState, hidden: mx.array, token: int, n: int) -> list[int]:
         """Greedily extend a path ending in ``token`` (made with ``hidden``) by n."""
         out = []
         for _ in range(n):
-            logits, hidden = self.step(state, hidden, token)
-            token = int(mx.argmax(logits))
+            _, hidden, greedy = self._forward(state, hidden, mx.array([[token]]))
+            token = greedy.item()
             out.append(token)
         return out
 
@@ -146,12 +166,11 @@ class MTPDrafter:
     def draft(self, state: MTPDraftState, k: int) -> mx.array:
         """K greedy draft tokens (a chain), ``[1, k]`` int32, not read back:
         the verify forward takes them as they are."""
-        logits, m = self.first_step(state)
-        tokens = []
-        for j in range(k):
-            if j:
-                logits, m = self._forward(state, m, tokens[-1])
-            d = mx.argmax(logits).astype(mx.int32).reshape(1, 1)
+        _, m, d = self._forward_pending(state)
+        tokens = [d]
+        mx.async_eval(d)
+        for _ in range(k - 1):
+            _, m, d = self._forward(state, m, d)
             mx.async_eval(d)
             tokens.append(d)
         return mx.concatenate(tokens, axis=1)

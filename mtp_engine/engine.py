@@ -27,6 +27,7 @@ from mtp_engine.cache_ops import (
     snapshot,
     tile_caches,
 )
+from mtp_engine.compiled_head import can_compile_head
 from mtp_engine.cpu_drafter import NativeDrafter, native_head
 from mtp_engine.drafter import MTPDrafter
 from mtp_engine.loader import LoadedCheckpoint, load_checkpoint
@@ -36,7 +37,7 @@ from mtp_engine.stopping import Finisher, stop_list
 from schemas.records import GenerationResult, GenerationStats, StepTrace
 
 
-DRAFTERS = ("auto", "mlx", "c++")
+DRAFTERS = ("auto", "mlx", "mlx-eager", "c++")
 """Who may draft a generation's chain and adaptive modes (`MTPEngine.generate`)."""
 
 
@@ -105,6 +106,9 @@ class MTPEngine:
             CPU with the C++ head (float32 copies of the head, embedding and
             LM head in host memory) while the GPU verifies. On the CPU
             backend the C++ head is used whenever it can run the head.
+        compile_head: Draft through a `CompiledHead` (the head's forward
+            compiled around its KV-cache attention). Default: whenever the
+            head allows it (`can_compile_head`).
     """
 
     def __init__(
@@ -114,6 +118,7 @@ class MTPEngine:
         use_checkpoints: bool = True,
         prefill_step_size: int = 2048,
         host_drafts: bool = False,
+        compile_head: bool | None = None,
     ):
         self.checkpoint = checkpoint
         self.model = checkpoint.model
@@ -127,8 +132,16 @@ class MTPEngine:
         self.use_checkpoints = use_checkpoints
         self.prefill_step_size = prefill_step_size
         trunk = self.model.model
+        if compile_head is None:
+            compile_head = can_compile_head(checkpoint.head)
         self.drafter = MTPDrafter(
-            checkpoint.head, trunk.embed_tokens, self.lm_head, prefill_step_size
+            checkpoint.head, trunk.embed_tokens, self.lm_head, prefill_step_size, compiled=compile_head
+        )
+        # The same head, never compiled (drafter="mlx-eager": for comparisons).
+        self.eager_drafter = (
+            MTPDrafter(checkpoint.head, trunk.embed_tokens, self.lm_head, prefill_step_size)
+            if compile_head
+            else self.drafter
         )
         # On the CPU, chain and adaptive drafts run in C++ where the head allows
         # (`mtp_engine.cpu_drafter`); it reads the head's weights as they are now.
@@ -223,7 +236,8 @@ class MTPEngine:
             trace: Record every verify step in ``result.trace``.
             tree_pos2: "tree" mode adds the branch at draft position 2.
             drafter: Who drafts chain and adaptive modes: "auto" (the C++
-                head where the engine has it, see `drafter_for`), "mlx" or
+                head where the engine has it, see `drafter_for`), "mlx",
+                "mlx-eager" (the MLX head, not compiled, in every mode) or
                 "c++". It changes speed, never the output.
 
         Returns:
@@ -333,12 +347,15 @@ class MTPEngine:
     def drafter_for(self, mode: str, choice: str = "auto") -> MTPDrafter | NativeDrafter:
         """The drafter a mode uses. "auto": the C++ one for chain and
         adaptive drafts when the engine has it, else the MLX one; "mlx";
-        "c++" (a ValueError where the engine has none or the mode forks)."""
+        "mlx-eager" (the MLX head without `CompiledHead`); "c++" (a
+        ValueError where the engine has none or the mode forks)."""
         native_ok = self.native_drafter is not None and mode in ("chain", "adaptive")
         if choice == "auto":
             return self.native_drafter if native_ok else self.drafter
         if choice == "mlx":
             return self.drafter
+        if choice == "mlx-eager":
+            return self.eager_drafter
         if choice == "c++":
             if not native_ok:
                 raise ValueError(

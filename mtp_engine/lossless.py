@@ -51,7 +51,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from mtp_engine.backend import cpu_blas, prefer_mlx_attention
-from mtp_engine.bench import DEFAULT_MODEL, DEFAULT_PROMPTS, MODE_SPECS, load_engine, read_prompts
+from mtp_engine.bench import DEFAULT_MODEL, DEFAULT_MODES, DEFAULT_PROMPTS, MODE_SPECS, load_engine, read_prompts
 from mtp_engine.engine import MTPEngine, top_logits
 
 FLOAT32_NEAR_TIE = 1e-4
@@ -60,7 +60,7 @@ FLOAT32_NEAR_TIE = 1e-4
 NOISE_CAP = 4
 MANTISSA_BITS = {mx.bfloat16: 7, mx.float16: 10, mx.float32: 23}
 # The benchmark's speculative modes (baseline is what they are checked against).
-MODES = {name: spec for name, spec in MODE_SPECS.items() if spec and spec["mode"] != "baseline"}
+MODES = {name: MODE_SPECS[name] for name in DEFAULT_MODES if MODE_SPECS[name] and MODE_SPECS[name]["mode"] != "baseline"}
 
 
 TopLogits = list[tuple[int, float]]  # the highest (token, logit) pairs, best first
