@@ -53,27 +53,36 @@ def _trace(engine: MTPEngine, caches: list, widths: list[int], repeats: int) -> 
             for _ in range(repeats):
                 verify_forward(engine, caches, w)
             wall = time.perf_counter() - t
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
-        busy, end = 0.0, float("-inf")
-        for s, e in spans:
-            if e > end:
-                busy += e - max(s, end)
-                end = e
-        by_name, count = defaultdict(float), defaultdict(int)
-        for e in kernels:
-            by_name[e.name[:90]] += e.time_range.end - e.time_range.start
-            count[e.name[:90]] += 1
-        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
-        report[w] = {
-            "wall_ms": round(1e3 * wall / repeats, 2),
-            "kernels": round(len(kernels) / repeats, 1),
-            "kernel_ms": round(sum(e.time_range.end - e.time_range.start for e in kernels) / 1e3 / repeats, 2),
-            "busy_ms": round(busy / 1e3 / repeats, 2),
-            "top_ms": {name: round(us / 1e3 / repeats, 3) for name, us in top},
-            "top_count": {n: c / repeats for n, c in sorted(count.items(), key=lambda kv: -kv[1])[:30]},
-        }
+        report[w] = kernel_summary(prof, repeats, wall)
     return report
+
+
+def kernel_summary(prof, repeats: int, wall: float) -> dict:
+    """Per repeat: wall time, kernels, summed kernel time, the time the GPU
+    was busy (kernel spans merged), and the top kernels by time and count,
+    from a finished ``torch.profiler.profile``."""
+    import torch
+
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    by_name, count = defaultdict(float), defaultdict(int)
+    for e in kernels:
+        by_name[e.name[:90]] += e.time_range.end - e.time_range.start
+        count[e.name[:90]] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "wall_ms": round(1e3 * wall / repeats, 2),
+        "kernels": round(len(kernels) / repeats, 1),
+        "kernel_ms": round(sum(e.time_range.end - e.time_range.start for e in kernels) / 1e3 / repeats, 2),
+        "busy_ms": round(busy / 1e3 / repeats, 2),
+        "top_ms": {name: round(us / 1e3 / repeats, 3) for name, us in top},
+        "top_count": {n: c / repeats for n, c in sorted(count.items(), key=lambda kv: -kv[1])[:30]},
+    }
 
 
 def probe(engine: MTPEngine, name: str, context: int, widths: list[int], repeats: int, trace: bool) -> dict:

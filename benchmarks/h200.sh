@@ -31,6 +31,8 @@
 #   bash benchmarks/h200.sh eval-mode-final # 80B shapes at 1K and 8K (2 rounds), then the shipped model's chain modes
 #   bash benchmarks/h200.sh forward-parts # where the 80B verify forward's growth with T goes (MoE, mixers and their pieces)
 #   bash benchmarks/h200.sh compiled-head # shipped model, chain modes drafted by the compiled MLX head against the eager one
+#   bash benchmarks/h200.sh step-profile # shipped model, plain and chain K=6 decoding under cProfile
+#                                     # (TRACE=--trace adds the GPU kernel view)
 #   bash benchmarks/h200.sh host-drafts # shipped model, chain modes drafted on the host CPU (C++ head) and on the GPU (MLX), one run
 #                                       # (needs _mtp_draft built for the GPU machine's Python in $EXT_DIR:
 #                                       #  bash benchmarks/build_host_draft_ext.sh builds it into .gpu-stage/b/ext)
@@ -56,6 +58,9 @@ case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
       --json "$out/compiled-head-shipped.json" 2>&1 | tee "$out/compiled-head-shipped.log"
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/test_compiled_head.py \
       2>&1 | tail -30 | tee "$out/compiled-head-tests.log" ;;
+  step-profile)  # host time of plain and chain K=6 decoding by Python function (cProfile), shipped model
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-200}" python3 -u benchmarks/step_profile.py --top "${TOP:-45}" $TRACE \
+      2>&1 | tee "$out/step-profile${TRACE:+-trace}.log" ;;
   few-row-qmm)  # padding 2-7-row quantized products to MLX's GEMM path: projections, then 80B verify forwards
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-330}" python3 -u benchmarks/few_row_qmm.py \
       --json "$out/few-row-qmm.json" 2>&1 | tee "$out/few-row-qmm.log" ;;

@@ -491,7 +491,9 @@ def suite(engine, args, context: int | None, log, first: bool = True) -> dict:
     log(f"context {context or 'prompt only'}: {len(prompts)} prompts x {args.max_tokens} tokens")
     totals = run_modes(engine, prompts, modes, args.max_tokens, args.rounds, log, warmup=first)
     rows = [t.row(totals.get("baseline")) for t in totals.values()]
-    costs = forward_costs(engine, prompts[0], [1, 2, 3, 4, 5, 6, 7, 8])
+    # Every verify width a timed chain mode feeds (K + 1), and at least 1..8.
+    depths = [MODE_SPECS[m]["draft_tokens"] for m in modes if MODE_SPECS[m] and "draft_tokens" in MODE_SPECS[m]]
+    costs = forward_costs(engine, prompts[0], list(range(1, max([7, *depths]) + 2)))
     report = {
         "settings": {"prompts": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds, "context": context},
         "results": rows,

@@ -81,6 +81,9 @@ class MTPDrafter:
         self.lm_head = lm_head
         self.prefill_step_size = prefill_step_size
         self.compiled = CompiledHead(head, embed, lm_head) if compiled else None
+        # Start each chain draft's evaluation as soon as it is built (see the
+        # module docstring); False leaves the whole chain to the verify's sync.
+        self.dispatch_drafts = True
 
     def new_state(self) -> MTPDraftState:
         return MTPDraftState(cache=self.head.make_cache())
@@ -168,11 +171,13 @@ class MTPDrafter:
         the verify forward takes them as they are."""
         _, m, d = self._forward_pending(state)
         tokens = [d]
-        mx.async_eval(d)
         for _ in range(k - 1):
+            if self.dispatch_drafts:
+                mx.async_eval(d)
             _, m, d = self._forward(state, m, d)
-            mx.async_eval(d)
             tokens.append(d)
+        if self.dispatch_drafts:
+            mx.async_eval(d)
         return mx.concatenate(tokens, axis=1)
 
     def draft_adaptive(self, state: MTPDraftState, depth_max: int, tau: float) -> list[int]:
