@@ -24,6 +24,7 @@ from mlx_lm.utils import infer_quant_config, load_model, load_tokenizer
 from mtp_engine.checkpoint_io import MTP_LAYOUT_KEY, MTP_PREFIX, hub_to_mlx, load_prefixed
 from mtp_engine.compiled import install_compiled_layers, wants_compiled_layers
 from mtp_engine.cpu_activations import install_fast_activations
+from mtp_engine.moe import install_moe_blocks
 from mtp_engine.mtp_head import MTPHead
 from mtp_engine.recurrent import install_checkpointing
 
@@ -189,11 +190,13 @@ def load_checkpoint(
 
 def install_engine_layers(model: nn.Module, head: MTPHead, compile_layers: bool | None = None) -> None:
     """Swap in what the engine runs on a trunk and head with their final
-    weights: per-token checkpoints, on the CPU the vectorized activations
+    weights: per-token checkpoints, MoE blocks with contiguous routing
+    indices (`mtp_engine.moe`), on the CPU the vectorized activations
     (`mtp_engine.cpu_activations`) and, where ``compile_layers`` says so,
     compiled decoder layers (see `mtp_engine.compiled`; default: on MLX's
     CPU backend only)."""
     install_checkpointing(model)
+    install_moe_blocks(model, head)
     install_fast_activations(model, head)
     if wants_compiled_layers(compile_layers):
         install_compiled_layers(model, head)
