@@ -33,6 +33,7 @@
 #   bash benchmarks/h200.sh compiled-head # shipped model, chain modes drafted by the compiled MLX head against the eager one
 #   bash benchmarks/h200.sh step-profile # shipped model, plain and chain K=6 decoding under cProfile
 #                                     # (TRACE=--trace adds the GPU kernel view)
+#   bash benchmarks/h200.sh layer-kernels # kernels of each verify-forward part at T = 1 and 7, step trace, chain suite
 #   bash benchmarks/h200.sh host-drafts # shipped model, chain modes drafted on the host CPU (C++ head) and on the GPU (MLX), one run
 #                                       # (needs _mtp_draft built for the GPU machine's Python in $EXT_DIR:
 #                                       #  bash benchmarks/build_host_draft_ext.sh builds it into .gpu-stage/b/ext)
@@ -58,6 +59,12 @@ case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
       --json "$out/compiled-head-shipped.json" 2>&1 | tee "$out/compiled-head-shipped.log"
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/test_compiled_head.py \
       2>&1 | tail -30 | tee "$out/compiled-head-tests.log" ;;
+  layer-kernels)  # kernels of each part of a verify forward at T = 1 and 7, then the step profile with its trace and the chain suite
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout 150 python3 -u benchmarks/layer_kernels.py --json "$out/layer-kernels.json" \
+      2>&1 | tee "$out/layer-kernels.log"
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout 150 python3 -u benchmarks/step_profile.py --top 12 --trace \
+      2>&1 | tee "$out/step-profile-trace.log" | grep "^trace\|^==\|^dispatch" | cut -c1-200
+    bash "$0" compiled-head ;;
   step-profile)  # host time of plain and chain K=6 decoding by Python function (cProfile), shipped model
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-200}" python3 -u benchmarks/step_profile.py --top "${TOP:-45}" $TRACE \
       2>&1 | tee "$out/step-profile${TRACE:+-trace}.log" ;;
