@@ -34,6 +34,7 @@
 #   bash benchmarks/h200.sh step-profile # shipped model, plain and chain K=6 decoding under cProfile
 #                                     # (TRACE=--trace adds the GPU kernel view)
 #   bash benchmarks/h200.sh layer-kernels # kernels of each verify-forward part at T = 1 and 7, step trace, chain suite
+#   bash benchmarks/h200.sh rowwise   # few-row dense products row by row: GPU test, kernels, chain suite and lossless, on and off
 #   bash benchmarks/h200.sh host-drafts # shipped model, chain modes drafted on the host CPU (C++ head) and on the GPU (MLX), one run
 #                                       # (needs _mtp_draft built for the GPU machine's Python in $EXT_DIR:
 #                                       #  bash benchmarks/build_host_draft_ext.sh builds it into .gpu-stage/b/ext)
@@ -65,6 +66,20 @@ case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout 150 python3 -u benchmarks/step_profile.py --top 12 --trace \
       2>&1 | tee "$out/step-profile-trace.log" | grep "^trace\|^==\|^dispatch" | cut -c1-200
     bash "$0" compiled-head ;;
+  rowwise)  # few-row dense products row by row: its GPU test, kernels by part, chain suite on and off, lossless on and off
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/test_rowwise.py \
+      2>&1 | tail -5 | tee "$out/rowwise-tests.log"
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout 100 python3 -u benchmarks/layer_kernels.py --json "$out/rowwise-layer-kernels.json" \
+      2>&1 | grep -v Warn | tee "$out/rowwise-layer-kernels.log" | grep "kernels {"
+    for rowwise in on off; do
+      MLX_CUDA_USE_CUDNN_SDPA=0 timeout 200 $bench --limit 8 --max-tokens 64 --rounds 2 --rowwise $rowwise \
+        --modes baseline chain-k4 chain-k6 chain-k8 tree-k3 paths-k3-p2 --batch-sizes \
+        --json "$out/rowwise-$rowwise-shipped.json" 2>&1 | tee "$out/rowwise-$rowwise-shipped.log" | grep -v "^round"
+    done
+    for rowwise in on off; do
+      MLX_CUDA_USE_CUDNN_SDPA=0 timeout 150 python3 -u -m mtp_engine.lossless --limit 8 --max-tokens 64 --rowwise $rowwise \
+        --json "$out/rowwise-$rowwise-lossless.json" 2>&1 | tee "$out/rowwise-$rowwise-lossless.log" | tail -1
+    done ;;
   step-profile)  # host time of plain and chain K=6 decoding by Python function (cProfile), shipped model
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-200}" python3 -u benchmarks/step_profile.py --top "${TOP:-45}" $TRACE \
       2>&1 | tee "$out/step-profile${TRACE:+-trace}.log" ;;

@@ -30,6 +30,7 @@ from mtp_engine.backend import cpu_blas, few_rows, prefer_mlx_attention
 from mtp_engine.compiled import CompiledDecoderLayer
 from mtp_engine.engine import MTPEngine
 from mtp_engine.recurrent import CheckpointArraysCache, make_main_cache, recurrence_path
+from mtp_engine.rowwise import RowwiseLinear
 
 DEFAULT_MODEL = "models/qwen3-next-tiny-stdlib"
 DEFAULT_PROMPTS = "examples/prompts.jsonl"
@@ -366,12 +367,17 @@ LAYERS = {"auto": None, "compiled": True, "eager": False}
 
 
 def load_engine(
-    model: str, dtype: str | None, compile_layers: bool | None = None, host_drafts: bool = False
+    model: str,
+    dtype: str | None,
+    compile_layers: bool | None = None,
+    host_drafts: bool = False,
+    rowwise_linears: bool | None = None,
 ) -> MTPEngine:
     """The engine for a command-line tool; a bad folder or dtype ends the
     process with the reason and exit status 2, not a traceback."""
     try:
-        return MTPEngine.load(model, dtype=dtype, compile_layers=compile_layers, host_drafts=host_drafts)
+        return MTPEngine.load(model, dtype=dtype, compile_layers=compile_layers,
+                              rowwise_linears=rowwise_linears, host_drafts=host_drafts)
     except (OSError, ValueError) as e:  # missing folder, bad checkpoint or dtype
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -431,6 +437,8 @@ def main(argv=None) -> int:
                         help="on a GPU, draft chain/adaptive modes on the host CPU with the C++ head")
     parser.add_argument("--layers", choices=["auto", "compiled", "eager"], default="auto",
                         help="compiled decoder layers (mtp_engine.compiled); auto: on the CPU backend only")
+    parser.add_argument("--rowwise", choices=["auto", "on", "off"], default="auto",
+                        help="few-row dense products row by row (mtp_engine.rowwise); auto: on GPUs")
     args = parser.parse_args(argv)
     prefer_mlx_attention()
     log = lambda m: print(m, flush=True)
@@ -448,15 +456,18 @@ def main(argv=None) -> int:
         model_name = f"synthetic {args.synthetic} (random 4-bit weights)"
     else:
         engine = load_engine(args.model, args.dtype, compile_layers=LAYERS[args.layers],
-                             host_drafts=args.host_drafts)
+                             host_drafts=args.host_drafts,
+                             rowwise_linears={"auto": None, "on": True, "off": False}[args.rowwise])
         model_name = args.model
     started = time.perf_counter()
     compiled = any(isinstance(layer, CompiledDecoderLayer) for layer in engine.model.layers)
+    rowwise = any(isinstance(m, RowwiseLinear) for _, m in engine.model.named_modules())
     report = {"model": model_name, "machine": machine_info(), "compiled_layers": compiled,
+              "rowwise_linears": rowwise,
               "recurrence": recurrence_path(engine.model), "runs": []}
     log(f"{model_name} on {report['machine']['device']}"
         + (f", BLAS: {report['machine']['blas']}" if "blas" in report["machine"] else "")
-        + f", recurrence: {report['recurrence']}")
+        + f", recurrence: {report['recurrence']}, row-by-row few-row products: {'on' if rowwise else 'off'}")
     for i, context in enumerate(args.contexts or [args.context]):
         if args.time_budget and time.perf_counter() - started > args.time_budget:
             log(f"time budget spent; skipping context {context}")

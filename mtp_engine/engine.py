@@ -156,14 +156,19 @@ class MTPEngine:
         *,
         dtype: str | None = None,
         compile_layers: bool | None = None,
+        rowwise_linears: bool | None = None,
         **kwargs,
     ) -> "MTPEngine":
         """Load a checkpoint folder (Hub layout, or mlx_lm.convert output that
         holds the ``mtp.*`` tensors). ``dtype`` casts the weights ("float32",
         "bfloat16", "float16"); ``compile_layers`` turns compiled decoder
-        layers on or off (default: on MLX's CPU backend only). See
-        `load_checkpoint` for errors."""
-        return cls(load_checkpoint(path, dtype=dtype, compile_layers=compile_layers), **kwargs)
+        layers on or off (default: on MLX's CPU backend only);
+        ``rowwise_linears`` few-row dense products row by row (default: on
+        GPUs). See `load_checkpoint` for errors."""
+        checkpoint = load_checkpoint(
+            path, dtype=dtype, compile_layers=compile_layers, rowwise_linears=rowwise_linears
+        )
+        return cls(checkpoint, **kwargs)
 
     # -- model plumbing ------------------------------------------------------
 

@@ -26,6 +26,7 @@ from mtp_engine.compiled import install_compiled_layers, wants_compiled_layers
 from mtp_engine.cpu_activations import install_fast_activations
 from mtp_engine.moe import install_moe_blocks
 from mtp_engine.mtp_head import MTPHead
+from mtp_engine.rowwise import install_rowwise_linears, wants_rowwise_linears
 from mtp_engine.recurrent import install_checkpointing
 
 SUPPORTED_MODEL_TYPES = ("qwen3_next",)
@@ -144,7 +145,10 @@ DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
 def load_checkpoint(
-    path: str | Path, dtype: str | None = None, compile_layers: bool | None = None
+    path: str | Path,
+    dtype: str | None = None,
+    compile_layers: bool | None = None,
+    rowwise_linears: bool | None = None,
 ) -> LoadedCheckpoint:
     """Load trunk, MTP head and tokenizer, and install the engine's layers
     (`install_engine_layers`: per-token checkpoints, on the CPU the vectorized
@@ -161,6 +165,9 @@ def load_checkpoint(
         compile_layers: Install compiled decoder layers (True), keep every
             forward eager (False), or follow the backend (None: compiled on
             MLX's CPU backend only; see `mtp_engine.compiled`).
+        rowwise_linears: Run few-row dense products row by row (True), as
+            GEMMs (False), or follow the backend (None: row by row on GPUs;
+            see `mtp_engine.rowwise`).
 
     Raises:
         FileNotFoundError, CheckpointError, MissingMTPHeadError.
@@ -184,19 +191,27 @@ def load_checkpoint(
             module.set_dtype(DTYPES[dtype])
         mx.eval(model.parameters(), head.parameters())
     tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
-    install_engine_layers(model, head, compile_layers)
+    install_engine_layers(model, head, compile_layers, rowwise_linears)
     return LoadedCheckpoint(model=model, head=head, tokenizer=tokenizer, config=config, path=folder)
 
 
-def install_engine_layers(model: nn.Module, head: MTPHead, compile_layers: bool | None = None) -> None:
+def install_engine_layers(
+    model: nn.Module,
+    head: MTPHead,
+    compile_layers: bool | None = None,
+    rowwise_linears: bool | None = None,
+) -> None:
     """Swap in what the engine runs on a trunk and head with their final
     weights: per-token checkpoints, MoE blocks with contiguous routing
-    indices (`mtp_engine.moe`), on the CPU the vectorized activations
-    (`mtp_engine.cpu_activations`) and, where ``compile_layers`` says so,
-    compiled decoder layers (see `mtp_engine.compiled`; default: on MLX's
-    CPU backend only)."""
+    indices (`mtp_engine.moe`), where ``rowwise_linears`` says so few-row
+    dense products row by row (`mtp_engine.rowwise`; default: on GPUs), on
+    the CPU the vectorized activations (`mtp_engine.cpu_activations`) and,
+    where ``compile_layers`` says so, compiled decoder layers (see
+    `mtp_engine.compiled`; default: on MLX's CPU backend only)."""
     install_checkpointing(model)
     install_moe_blocks(model, head)
+    if wants_rowwise_linears(rowwise_linears):
+        install_rowwise_linears(model, head)
     install_fast_activations(model, head)
     if wants_compiled_layers(compile_layers):
         install_compiled_layers(model, head)

@@ -242,11 +242,14 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default=None, help="cast weights (float32, bfloat16, float16)")
     parser.add_argument("--half-ulps", type=float, default=4.0,
                         help="near-tie bound for half-precision logits, in ulps of the top logit")
+    parser.add_argument("--rowwise", choices=["auto", "on", "off"], default="auto",
+                        help="few-row dense products row by row (mtp_engine.rowwise); auto: on GPUs")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
     prefer_mlx_attention()
 
-    engine = load_engine(args.model, args.dtype)
+    engine = load_engine(args.model, args.dtype,
+                         rowwise_linears={"auto": None, "on": True, "off": False}[args.rowwise])
     prompts = read_prompts(engine, args.prompts, args.limit, None)
     dtype = engine.model.model.embed_tokens.weight.dtype
     blas = f", BLAS: {cpu_blas()}" if mx.default_device() == mx.cpu else ""

@@ -1,0 +1,81 @@
+"""Few-row dense products as one matrix-vector product per row (CUDA).
+
+MLX's CUDA backend runs a one-row product ``x @ W.T`` with its own
+matrix-vector kernel, but a product over a few rows (the K+1 tokens of a
+verify forward) goes to cuBLASLt. The GEMM itself is cheap; what costs is
+the host side of each cuBLASLt call. On an H200, the shipped model's verify
+forward spends about 1.6 ms more on the host than a one-token forward, for
+about fifty such products. Speculative decoding pays that every step, while
+plain decoding never does.
+
+`RowwiseLinear` hands MLX the rows as a batch of one-row products. It does
+this with strides alone: ``[rows, K]`` is viewed as ``[rows, 1, K]`` with a
+unit stride on the length-one axis. MLX then reads each row as a transposed
+one-row matrix. It does not fold the batch back into a GEMM, and it runs its
+batched matrix-vector kernel: one launch, no cuBLASLt call, no copy.
+
+That kernel computes every row the way the one-token product does. So the
+linear layers of a verify forward give, row for row, the same bits as
+one-token decoding, where the GEMM rounded differently.
+
+Only dense ``nn.Linear`` layers without bias are swapped. Quantized layers
+already use a few-row kernel, and MoE experts go through ``gather_mm``.
+Loaders install the swap on GPUs only: MLX's CPU matmul takes no such
+shortcut, and the CPU's few-row products have their own route
+(``native/``).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+MAX_ROWWISE_ROWS = 16
+"""Most rows a product may have to take the row-by-row route (verify
+forwards); wider ones (prefill) stay GEMMs."""
+
+MAX_EXTRA_READ_BYTES = 64 * 2**20
+"""Row by row, each row reads the whole weight again. A product takes the
+route only while those extra reads, ``(rows - 1) * weight bytes``, stay
+under this (about 14 us at an H200's 4.8 TB/s, below a cuBLASLt call's host
+time), so a large dense layer under batched decoding keeps its GEMM."""
+
+
+def takes_rowwise_route(rows: int, weight_bytes: int) -> bool:
+    """Whether a product over ``rows`` rows with a weight of ``weight_bytes``
+    runs row by row (2..`MAX_ROWWISE_ROWS` rows, extra reads within
+    `MAX_EXTRA_READ_BYTES`)."""
+    return 1 < rows <= MAX_ROWWISE_ROWS and (rows - 1) * weight_bytes <= MAX_EXTRA_READ_BYTES
+
+
+class RowwiseLinear(nn.Linear):
+    """``nn.Linear`` whose few-row products run row by row (see module doc)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        dim = x.shape[-1]
+        rows = x.size // dim if dim else 0
+        weight = self["weight"]
+        if "bias" in self or not takes_rowwise_route(rows, weight.nbytes):
+            return super().__call__(x)
+        # [rows, dim, 1] -> [rows, 1, dim] with strides (dim, 1, 1): each row
+        # is a one-row matrix that MLX sees as transposed.
+        vectors = x.reshape(rows, dim, 1).swapaxes(-1, -2)
+        return (vectors @ weight.T).reshape(*x.shape[:-1], -1)
+
+
+def install_rowwise_linears(*modules: nn.Module) -> int:
+    """Swap every dense, bias-free ``nn.Linear`` under ``modules`` for a
+    `RowwiseLinear` sharing its weight; returns how many."""
+    from mtp_engine.recurrent import share_weights, swap_modules
+
+    def swap(layer: nn.Linear):
+        return None if "bias" in layer else share_weights(RowwiseLinear, layer)
+
+    return swap_modules(modules, {nn.Linear: swap})
+
+
+def wants_rowwise_linears(choice: bool | None) -> bool:
+    """``choice``, or when None: on GPUs (not MLX's CPU backend)."""
+    if choice is None:
+        return mx.default_device() != mx.cpu
+    return choice
