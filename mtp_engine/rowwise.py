@@ -10,9 +10,10 @@ plain decoding never does.
 
 `RowwiseLinear` hands MLX the rows as a batch of one-row products. It does
 this with strides alone: ``[rows, K]`` is viewed as ``[rows, 1, K]`` with a
-unit stride on the length-one axis. MLX then reads each row as a transposed
-one-row matrix. It does not fold the batch back into a GEMM, and it runs its
-batched matrix-vector kernel: one launch, no cuBLASLt call, no copy.
+unit stride on the length-one axis, and the weight gets a batch axis of one.
+MLX then reads each row as a transposed one-row matrix. It does not fold the
+batch back into a GEMM, and it runs its batched matrix-vector kernel: one
+launch, no cuBLASLt call, no copy.
 
 That kernel computes every row the way the one-token product does. So the
 linear layers of a verify forward give, row for row, the same bits as
@@ -58,9 +59,11 @@ class RowwiseLinear(nn.Linear):
         if "bias" in self or not takes_rowwise_route(rows, weight.nbytes):
             return super().__call__(x)
         # [rows, dim, 1] -> [rows, 1, dim] with strides (dim, 1, 1): each row
-        # is a one-row matrix that MLX sees as transposed.
+        # is a one-row matrix that MLX sees as transposed. The weight goes in
+        # with a batch axis: against a 2-D one, matmul flattens the rows into
+        # one GEMM.
         vectors = x.reshape(rows, dim, 1).swapaxes(-1, -2)
-        return (vectors @ weight.T).reshape(*x.shape[:-1], -1)
+        return (vectors @ weight.T[None]).reshape(*x.shape[:-1], -1)
 
 
 def install_rowwise_linears(*modules: nn.Module) -> int:
