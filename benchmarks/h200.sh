@@ -35,6 +35,7 @@
 #                                     # (TRACE=--trace adds the GPU kernel view)
 #   bash benchmarks/h200.sh layer-kernels # kernels of each verify-forward part at T = 1 and 7, step trace, chain suite
 #   bash benchmarks/h200.sh rowwise   # few-row dense products row by row: GPU test, kernels, chain suite and lossless, on and off
+#   bash benchmarks/h200.sh final-rowwise # row-by-row GPU test, then the shipped model's chain modes (3 rounds)
 #   bash benchmarks/h200.sh host-drafts # shipped model, chain modes drafted on the host CPU (C++ head) and on the GPU (MLX), one run
 #                                       # (needs _mtp_draft built for the GPU machine's Python in $EXT_DIR:
 #                                       #  bash benchmarks/build_host_draft_ext.sh builds it into .gpu-stage/b/ext)
@@ -80,6 +81,12 @@ case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
       MLX_CUDA_USE_CUDNN_SDPA=0 timeout 150 python3 -u -m mtp_engine.lossless --limit 8 --max-tokens 64 --rowwise $rowwise \
         --json "$out/rowwise-$rowwise-lossless.json" 2>&1 | tee "$out/rowwise-$rowwise-lossless.log" | tail -1
     done ;;
+  final-rowwise)  # the row-by-row GPU test, then the shipped model's chain modes with mlx-lm's reference, 3 rounds
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/test_rowwise.py \
+      2>&1 | tail -3 | tee "$out/final-rowwise-tests.log"
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout 240 $bench --limit 8 --max-tokens 64 --rounds 3 \
+      --modes baseline mlx_lm chain-k4 chain-k6 chain-k8 --batch-sizes \
+      --json "$out/final-rowwise-shipped.json" 2>&1 | tee "$out/final-rowwise-shipped.log" | grep -v "^round" ;;
   step-profile)  # host time of plain and chain K=6 decoding by Python function (cProfile), shipped model
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-200}" python3 -u benchmarks/step_profile.py --top "${TOP:-45}" $TRACE \
       2>&1 | tee "$out/step-profile${TRACE:+-trace}.log" ;;

@@ -56,7 +56,9 @@ class RowwiseLinear(nn.Linear):
         dim = x.shape[-1]
         rows = x.size // dim if dim else 0
         weight = self["weight"]
-        if "bias" in self or not takes_rowwise_route(rows, weight.nbytes):
+        # One output feature: MLX already runs its matrix-vector kernel over
+        # the rows (each row a dot product, as over one row).
+        if "bias" in self or weight.shape[0] == 1 or not takes_rowwise_route(rows, weight.nbytes):
             return super().__call__(x)
         # [rows, dim, 1] -> [rows, 1, dim] with strides (dim, 1, 1): each row
         # is a one-row matrix that MLX sees as transposed. The weight goes in
