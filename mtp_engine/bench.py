@@ -416,6 +416,15 @@ def print_table(report: dict, log) -> None:
         log(f"dataset throughput {b['mode']}: " + (f"{b['tokens_per_s']} tok/s" if b["tokens_per_s"] else b["error"]))
 
 
+ROWWISE = {"auto": None, "on": True, "off": False}
+"""``--rowwise`` choices and the ``rowwise_linears`` value each stands for."""
+
+
+def add_rowwise_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rowwise", choices=list(ROWWISE), default="auto",
+                        help="few-row dense products row by row (mtp_engine.rowwise); auto: on GPUs")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mtp_engine.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -437,8 +446,7 @@ def main(argv=None) -> int:
                         help="on a GPU, draft chain/adaptive modes on the host CPU with the C++ head")
     parser.add_argument("--layers", choices=["auto", "compiled", "eager"], default="auto",
                         help="compiled decoder layers (mtp_engine.compiled); auto: on the CPU backend only")
-    parser.add_argument("--rowwise", choices=["auto", "on", "off"], default="auto",
-                        help="few-row dense products row by row (mtp_engine.rowwise); auto: on GPUs")
+    add_rowwise_option(parser)
     args = parser.parse_args(argv)
     prefer_mlx_attention()
     log = lambda m: print(m, flush=True)
@@ -457,7 +465,7 @@ def main(argv=None) -> int:
     else:
         engine = load_engine(args.model, args.dtype, compile_layers=LAYERS[args.layers],
                              host_drafts=args.host_drafts,
-                             rowwise_linears={"auto": None, "on": True, "off": False}[args.rowwise])
+                             rowwise_linears=ROWWISE[args.rowwise])
         model_name = args.model
     started = time.perf_counter()
     compiled = any(isinstance(layer, CompiledDecoderLayer) for layer in engine.model.layers)

@@ -17,8 +17,10 @@ step as an array and its evaluation starts at once (``mx.async_eval``), so
 the host builds the next step, and the verify forward, while the device
 computes, and the drafted tokens reach the host with the verify forward's
 targets in one sync. On the 2-core CPU this made chain K=2 decoding about
-7% faster than one host sync per draft step. Modes that branch on a draft
-step's result (adaptive, trees, paths) still read each step back.
+7% faster than one host sync per draft step. On an H200 it beat leaving the
+whole chain to the verify's sync by 8-21% (`benchmarks/step_profile.py`).
+Modes that branch on a draft step's result (adaptive, trees, paths) still
+read each step back.
 """
 
 from __future__ import annotations
@@ -169,6 +171,8 @@ class MTPDrafter:
     def draft(self, state: MTPDraftState, k: int) -> mx.array:
         """K greedy draft tokens (a chain), ``[1, k]`` int32, not read back:
         the verify forward takes them as they are."""
+        if k < 1:
+            raise ValueError(f"a chain draft needs k >= 1 tokens, got {k}")
         _, m, d = self._forward_pending(state)
         tokens = [d]
         for _ in range(k - 1):

@@ -51,7 +51,16 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from mtp_engine.backend import cpu_blas, prefer_mlx_attention
-from mtp_engine.bench import DEFAULT_MODEL, DEFAULT_MODES, DEFAULT_PROMPTS, MODE_SPECS, load_engine, read_prompts
+from mtp_engine.bench import (
+    DEFAULT_MODEL,
+    DEFAULT_MODES,
+    DEFAULT_PROMPTS,
+    MODE_SPECS,
+    ROWWISE,
+    add_rowwise_option,
+    load_engine,
+    read_prompts,
+)
 from mtp_engine.engine import MTPEngine, top_logits
 
 FLOAT32_NEAR_TIE = 1e-4
@@ -242,14 +251,13 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default=None, help="cast weights (float32, bfloat16, float16)")
     parser.add_argument("--half-ulps", type=float, default=4.0,
                         help="near-tie bound for half-precision logits, in ulps of the top logit")
-    parser.add_argument("--rowwise", choices=["auto", "on", "off"], default="auto",
-                        help="few-row dense products row by row (mtp_engine.rowwise); auto: on GPUs")
+    add_rowwise_option(parser)
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
     prefer_mlx_attention()
 
     engine = load_engine(args.model, args.dtype,
-                         rowwise_linears={"auto": None, "on": True, "off": False}[args.rowwise])
+                         rowwise_linears=ROWWISE[args.rowwise])
     prompts = read_prompts(engine, args.prompts, args.limit, None)
     dtype = engine.model.model.embed_tokens.weight.dtype
     blas = f", BLAS: {cpu_blas()}" if mx.default_device() == mx.cpu else ""

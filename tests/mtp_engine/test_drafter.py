@@ -132,3 +132,13 @@ def test_adaptive_tree_branch_only_when_deep(tiny_engine):
             assert len(step.drafts[1]) == len(step.drafts[0])
         else:
             assert len(step.drafts) == 1
+
+
+def test_chain_draft_needs_a_positive_depth(tiny_engine):
+    drafter = tiny_engine.drafter_for("tree")  # the MLX drafter
+    state = drafter.new_state()
+    hidden = mx.zeros((1, 2, tiny_engine.model.args.hidden_size))
+    drafter.set_pending(state, hidden, [5, 6])
+    with pytest.raises(ValueError, match="k >= 1 tokens, got 0"):
+        drafter.draft(state, 0)
+    assert drafter.draft(state, 3).shape == (1, 3)
