@@ -37,6 +37,7 @@
 #   bash benchmarks/h200.sh rowwise   # few-row dense products row by row: GPU test, kernels, chain suite and lossless, on and off
 #   bash benchmarks/h200.sh final-rowwise # row-by-row GPU test, then the shipped model's chain modes (3 rounds)
 #   bash benchmarks/h200.sh 80b-moe   # 80B verify(T)/forward(1) curve at 1K and 8K (contiguous MoE indices)
+#   bash benchmarks/h200.sh rowwise-batch # batch mode's throughput with few-row products row by row and as GEMMs
 #   bash benchmarks/h200.sh host-drafts # shipped model, chain modes drafted on the host CPU (C++ head) and on the GPU (MLX), one run
 #                                       # (needs _mtp_draft built for the GPU machine's Python in $EXT_DIR:
 #                                       #  bash benchmarks/build_host_draft_ext.sh builds it into .gpu-stage/b/ext)
@@ -93,6 +94,12 @@ case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
       MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-100}" python3 -u benchmarks/graph_settings.py --synthetic 80b \
         --context $context --widths 1 2 3 4 5 8 --repeats 20 --json "$out/80b-moe-curve.jsonl"
     done 2>&1 | grep -v Warn | tee "$out/80b-moe-curve.log" ;;
+  rowwise-batch)  # batch mode's dataset throughput (32 prompts) with few-row products row by row and as GEMMs
+    for rowwise in on off; do
+      MLX_CUDA_USE_CUDNN_SDPA=0 timeout 120 $bench --limit 4 --max-tokens 64 --rounds 1 --rowwise $rowwise \
+        --modes baseline --batch-sizes 8 16 32 --batch-limit 32 \
+        --json "$out/rowwise-batch-$rowwise.json" 2>&1 | tee "$out/rowwise-batch-$rowwise.log" | grep "products\|dataset"
+    done ;;
   step-profile)  # host time of plain and chain K=6 decoding by Python function (cProfile), shipped model
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-200}" python3 -u benchmarks/step_profile.py --top "${TOP:-45}" $TRACE \
       2>&1 | tee "$out/step-profile${TRACE:+-trace}.log" ;;
