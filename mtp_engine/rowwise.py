@@ -19,6 +19,12 @@ That kernel computes every row the way the one-token product does. So the
 linear layers of a verify forward give, row for row, the same bits as
 one-token decoding, where the GEMM rounded differently.
 
+Batched one-token decoding (``[B, 1, dim]``, mlx-lm's batch generator)
+keeps the GEMM: with the route, dataset throughput at B = 8 and 16 fell to
+71 and 341 tok/s from 481 and 876 in one H200 call (not explained; it may
+include first-use kernel compilation, as batch mode has no warm-up there).
+So only products whose rows hold several tokens take it.
+
 Only dense ``nn.Linear`` layers without bias are swapped. Quantized layers
 already use a few-row kernel, and MoE experts go through ``gather_mm``.
 Loaders install the swap on GPUs only: MLX's CPU matmul takes no such
@@ -42,24 +48,30 @@ under this (about 14 us at an H200's 4.8 TB/s, below a cuBLASLt call's host
 time), so a large dense layer under batched decoding keeps its GEMM."""
 
 
-def takes_rowwise_route(rows: int, weight_bytes: int) -> bool:
-    """Whether a product over ``rows`` rows with a weight of ``weight_bytes``
-    runs row by row (2..`MAX_ROWWISE_ROWS` rows, extra reads within
-    `MAX_EXTRA_READ_BYTES`)."""
-    return 1 < rows <= MAX_ROWWISE_ROWS and (rows - 1) * weight_bytes <= MAX_EXTRA_READ_BYTES
+def takes_rowwise_route(shape: tuple[int, ...], weight_bytes: int) -> bool:
+    """Whether a product over inputs of ``shape`` (``[..., tokens, dim]``)
+    with a weight of ``weight_bytes`` runs row by row: several tokens per
+    row (a verify forward, not a batch of one-token decodes), 2 to
+    `MAX_ROWWISE_ROWS` rows in all, extra reads within `MAX_EXTRA_READ_BYTES`."""
+    if len(shape) < 2 or shape[-2] < 2:
+        return False
+    rows = 1
+    for n in shape[:-1]:
+        rows *= n
+    return rows <= MAX_ROWWISE_ROWS and (rows - 1) * weight_bytes <= MAX_EXTRA_READ_BYTES
 
 
 class RowwiseLinear(nn.Linear):
     """``nn.Linear`` whose few-row products run row by row (see module doc)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        dim = x.shape[-1]
-        rows = x.size // dim if dim else 0
         weight = self["weight"]
         # One output feature: MLX already runs its matrix-vector kernel over
         # the rows (each row a dot product, as over one row).
-        if "bias" in self or weight.shape[0] == 1 or not takes_rowwise_route(rows, weight.nbytes):
+        if "bias" in self or weight.shape[0] == 1 or not takes_rowwise_route(x.shape, weight.nbytes):
             return super().__call__(x)
+        dim = x.shape[-1]
+        rows = x.size // dim
         # [rows, dim, 1] -> [rows, 1, dim] with strides (dim, 1, 1): each row
         # is a one-row matrix that MLX sees as transposed. The weight goes in
         # with a batch axis: against a 2-D one, matmul flattens the rows into

@@ -37,13 +37,18 @@ def test_rowwise_linear_equals_linear(shape, outputs):
     assert mx.allclose(got, want, rtol=tolerance, atol=tolerance).item()
 
 
-def test_route_is_taken_for_few_rows_and_small_weights():
+def test_route_is_taken_for_few_multi_token_rows_and_small_weights():
     small = 256 * 3072 * 2  # the shipped model's LM head in bfloat16
-    assert not takes_rowwise_route(1, small)
-    assert takes_rowwise_route(2, small) and takes_rowwise_route(MAX_ROWWISE_ROWS, small)
-    assert not takes_rowwise_route(MAX_ROWWISE_ROWS + 1, small)
+    assert not takes_rowwise_route((1, 1, 256), small)
+    assert takes_rowwise_route((1, 2, 256), small)
+    assert takes_rowwise_route((1, MAX_ROWWISE_ROWS, 256), small)
+    assert takes_rowwise_route((3, 5, 256), small)  # paths: P rows of K+1 tokens
+    assert not takes_rowwise_route((1, MAX_ROWWISE_ROWS + 1, 256), small)
+    # A batch of one-token decodes keeps its GEMM.
+    assert not takes_rowwise_route((8, 1, 256), small)
+    assert not takes_rowwise_route((256,), small)
     big = MAX_EXTRA_READ_BYTES // 4 + 1
-    assert takes_rowwise_route(4, big // 2) and not takes_rowwise_route(5, big)
+    assert takes_rowwise_route((1, 4, 256), big // 2) and not takes_rowwise_route((1, 5, 256), big)
 
 
 def test_install_swaps_bias_free_dense_linears_only():
