@@ -45,7 +45,8 @@ MAX_EXTRA_READ_BYTES = 64 * 2**20
 """Row by row, each row reads the whole weight again. A product takes the
 route only while those extra reads, ``(rows - 1) * weight bytes``, stay
 under this (about 14 us at an H200's 4.8 TB/s, below a cuBLASLt call's host
-time), so a large dense layer under batched decoding keeps its GEMM."""
+time), so a large dense layer (a paths-mode verify of a big bfloat16 model)
+keeps its GEMM."""
 
 
 def takes_rowwise_route(shape: tuple[int, ...], weight_bytes: int) -> bool:
