@@ -332,10 +332,14 @@ def cost_model(costs: dict, rows: list[dict], totals: dict | None = None) -> dic
 
 
 def batch_throughput(engine, prompts, max_tokens: int, sizes: list[int]) -> list[dict]:
-    """Tokens/s over the whole prompt set with continuous batching."""
+    """Tokens/s over the whole prompt set with continuous batching, each
+    size after an untimed warm-up (one batch of ``size`` prompts, a few
+    tokens): the first batch of a size meets new shapes, and on a GPU new
+    kernels to compile."""
     out = []
     for size in sizes:
         try:
+            _drain(engine, prompts[:size], min(max_tokens, 8), size)
             tokens, elapsed = _drain(engine, prompts, max_tokens, size)
         except RuntimeError as e:  # a backend failure at one size loses only that size
             out.append({"mode": f"batch-b{size}", "tokens_per_s": None, "error": f"{type(e).__name__}: {e}"})

@@ -29,6 +29,7 @@ def test_bench_report(tmp_path, tiny_path):
     assert set(report["cost_model"]["forward_ratio"]) >= {"1", "2", "4"}
     assert {b["mode"] for b in report["dataset_throughput"]} >= {"batch-b1", "batch-b2"}
     assert report["compiled_layers"] is True  # the CPU default
+    assert report["rowwise_linears"] is False  # row-by-row products are a GPU default
     # Which code ran the recurrence is part of the report (float32 on the CPU:
     # the primitive where `make install` built it, else mlx-lm's ops).
     assert report["recurrence"] == ("cpu primitive" if cpu_recurrence.extension() is not None else "mlx-lm ops")
@@ -40,7 +41,9 @@ def test_bench_eager_layers_give_the_same_tokens(tmp_path, tiny_path):
     out = tmp_path / "bench.json"
     code = main(["--model", str(tiny_path), "--prompts", str(prompts), "--limit", "1", "--max-tokens", "8",
                  "--rounds", "1", "--batch-sizes", "--layers", "eager", "--json", str(out),
-                 "--modes", "baseline", "mlx_lm", "chain-k2"])
+                 "--modes", "baseline", "mlx_lm", "chain-k2", "chain-k8"])
     report = json.loads(out.read_text())
     assert code == 0 and report["compiled_layers"] is False
     assert all(r["identical"] for r in report["results"])
+    # The cost model times every verify width a timed chain feeds (K + 1).
+    assert set(report["cost_model"]["forward_ratio"]) == {str(t) for t in range(1, 10)}
