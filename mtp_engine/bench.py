@@ -426,7 +426,7 @@ ROWWISE = {"auto": None, "on": True, "off": False}
 
 def add_rowwise_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rowwise", choices=list(ROWWISE), default="auto",
-                        help="few-row dense products row by row (mtp_engine.rowwise); auto: on GPUs")
+                        help="few-row dense products row by row (mtp_engine.rowwise); auto: on CUDA")
 
 
 def main(argv=None) -> int:

@@ -164,7 +164,7 @@ class MTPEngine:
         "bfloat16", "float16"); ``compile_layers`` turns compiled decoder
         layers on or off (default: on MLX's CPU backend only);
         ``rowwise_linears`` few-row dense products row by row (default: on
-        GPUs). See `load_checkpoint` for errors."""
+        CUDA). See `load_checkpoint` for errors."""
         checkpoint = load_checkpoint(
             path, dtype=dtype, compile_layers=compile_layers, rowwise_linears=rowwise_linears
         )

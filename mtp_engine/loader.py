@@ -166,7 +166,7 @@ def load_checkpoint(
             forward eager (False), or follow the backend (None: compiled on
             MLX's CPU backend only; see `mtp_engine.compiled`).
         rowwise_linears: Run few-row dense products row by row (True), as
-            GEMMs (False), or follow the backend (None: row by row on GPUs;
+            GEMMs (False), or follow the backend (None: row by row on CUDA;
             see `mtp_engine.rowwise`).
 
     Raises:
@@ -204,7 +204,7 @@ def install_engine_layers(
     """Swap in what the engine runs on a trunk and head with their final
     weights: per-token checkpoints, MoE blocks with contiguous routing
     indices (`mtp_engine.moe`), where ``rowwise_linears`` says so few-row
-    dense products row by row (`mtp_engine.rowwise`; default: on GPUs), on
+    dense products row by row (`mtp_engine.rowwise`; default: on CUDA), on
     the CPU the vectorized activations (`mtp_engine.cpu_activations`) and,
     where ``compile_layers`` says so, compiled decoder layers (see
     `mtp_engine.compiled`; default: on MLX's CPU backend only)."""

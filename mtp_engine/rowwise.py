@@ -27,9 +27,9 @@ So only products whose rows hold several tokens take it.
 
 Only dense ``nn.Linear`` layers without bias are swapped. Quantized layers
 already use a few-row kernel, and MoE experts go through ``gather_mm``.
-Loaders install the swap on GPUs only: MLX's CPU matmul takes no such
-shortcut, and the CPU's few-row products have their own route
-(``native/``).
+Loaders install the swap on CUDA only: MLX's CPU matmul takes no such
+shortcut (the CPU's few-row products have their own route, ``native/``),
+and on Metal it is unmeasured, so off by default there.
 """
 
 from __future__ import annotations
@@ -93,7 +93,9 @@ def install_rowwise_linears(*modules: nn.Module) -> int:
 
 
 def wants_rowwise_linears(choice: bool | None) -> bool:
-    """``choice``, or when None: on GPUs (not MLX's CPU backend)."""
+    """``choice``, or when None: on MLX's CUDA backend only. Metal's matmul
+    takes other routes and this was never measured there (untested on
+    Metal; pass True to try it)."""
     if choice is None:
-        return mx.default_device() != mx.cpu
+        return mx.default_device() == mx.gpu and mx.cuda.is_available()
     return choice

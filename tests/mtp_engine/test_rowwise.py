@@ -21,6 +21,7 @@ from mtp_engine.rowwise import (
 from tests.conftest import PROMPTS
 
 ON_GPU = mx.default_device() != mx.cpu
+ON_CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 @pytest.mark.parametrize("outputs", [48, 1])
@@ -62,11 +63,11 @@ def test_install_swaps_bias_free_dense_linears_only():
     assert install_rowwise_linears(model) == 0
 
 
-def test_loaders_install_it_on_gpus_only(tiny_engine):
-    assert wants_rowwise_linears(None) == ON_GPU
+def test_loaders_install_it_on_cuda_only(tiny_engine):
+    assert wants_rowwise_linears(None) == ON_CUDA
     assert wants_rowwise_linears(True) and not wants_rowwise_linears(False)
     found = any(isinstance(m, RowwiseLinear) for _, m in tiny_engine.model.named_modules())
-    assert found == ON_GPU
+    assert found == ON_CUDA
 
 
 def test_engine_with_rowwise_products_is_lossless(tiny_path):
@@ -81,7 +82,7 @@ def test_engine_with_rowwise_products_is_lossless(tiny_path):
             assert engine.generate(prompt, max_tokens=32, **mode).tokens == base
 
 
-@pytest.mark.skipif(not ON_GPU, reason="needs MLX on a GPU (the CUDA matrix-vector route)")
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend (its matrix-vector route)")
 def test_rows_equal_one_row_products_bit_for_bit_on_the_gpu():
     """On CUDA each row goes through the one-row kernel: the same bits as a
     one-token product, where a GEMM over the rows rounds differently."""
