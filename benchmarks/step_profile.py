@@ -26,7 +26,7 @@ import time
 import mlx.core as mx
 
 from mtp_engine.backend import prefer_mlx_attention
-from mtp_engine.bench import DEFAULT_MODEL, DEFAULT_PROMPTS, read_prompts
+from mtp_engine.bench import DEFAULT_MODEL, DEFAULT_PROMPTS, mlx_draft_step, read_prompts
 from mtp_engine.engine import MTPEngine
 from mtp_engine.recurrent import make_main_cache
 
@@ -111,17 +111,7 @@ def trace_draft_step(engine, ids, repeats: int = 20) -> None:
     model = engine.model
     hidden = model.model(mx.array(ids)[None], cache=make_main_cache(model))
     for name, drafter in (("compiled", engine.drafter), ("eager", engine.eager_drafter)):
-        state = drafter.new_state()
-        drafter.set_pending(state, hidden, ids[1:] + [7])
-        drafter.first_step(state)
-        h1 = hidden[:, -1:]
-
-        def step():
-            logits, _ = drafter.step(state, h1, 7)
-            int(mx.argmax(logits))
-            drafter.rewind(state, state.base)
-
-        step()
+        step = mlx_draft_step(drafter, hidden, ids[1:] + [7], hidden[:, -1:])
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             t = time.perf_counter()
             for _ in range(repeats):

@@ -36,7 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
 
-from mtp_engine.mtp_head import MTPDecoderLayer, MTPHead
+from mtp_engine.mtp_head import MTPDecoderLayer, MTPHead, mlp_residual
 from mtp_engine.recurrent import (
     CheckpointArraysCache,
     EngineKVCache,
@@ -49,18 +49,13 @@ MAX_COMPILED_WIDTH = 16
 """Widest forward (tokens per row) that takes the compiled path."""
 
 
-def _moe_residual(layer: nn.Module, h: mx.array) -> mx.array:
-    """The second half of a decoder layer (trunk or MTP head)."""
-    return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
 class CompiledDecoderLayer(Qwen3NextDecoderLayer):
     """A trunk decoder layer with compiled decode and verify paths."""
 
     @classmethod
     def from_layer(cls, layer: Qwen3NextDecoderLayer) -> "CompiledDecoderLayer":
         new = share_weights(cls, layer)
-        new._mlp_fn = mx.compile(partial(_moe_residual, new))
+        new._mlp_fn = mx.compile(partial(mlp_residual, new))
         new._linear_fn = mx.compile(new._linear_layer) if new.is_linear else None
         return new
 
@@ -68,7 +63,7 @@ class CompiledDecoderLayer(Qwen3NextDecoderLayer):
         out, conv_states, ssm_states = mix_tokens(
             self.linear_attn, self.input_layernorm(x), conv_state, state
         )
-        return [_moe_residual(self, x + out), *conv_states, *ssm_states]
+        return [mlp_residual(self, x + out), *conv_states, *ssm_states]
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         width = x.shape[1]
@@ -99,7 +94,7 @@ class CompiledMTPLayer(MTPDecoderLayer):
     @classmethod
     def from_layer(cls, layer: MTPDecoderLayer) -> "CompiledMTPLayer":
         new = share_weights(cls, layer)
-        new._mlp_fn = mx.compile(partial(_moe_residual, new))
+        new._mlp_fn = mx.compile(partial(mlp_residual, new))
         return new
 
     def __call__(self, x: mx.array, mask, cache) -> mx.array:

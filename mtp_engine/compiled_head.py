@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
-from mtp_engine.mtp_head import MTPHead
+from mtp_engine.mtp_head import MTPHead, gated_attention_inputs, gated_attention_output, mlp_residual
 
 MAX_COMPILED_WIDTH = 16
 """Widest draft forward (pairs per call) that takes the compiled path; a
@@ -44,25 +44,19 @@ def can_compile_head(head: MTPHead) -> bool:
     return all(type(layer.self_attn.rope) is nn.RoPE for layer in head.layers)
 
 
-def _attention_inputs(attn: nn.Module, x: mx.array, offset: mx.array):
-    """Queries, keys, values (RoPE applied) and the output gate of one
-    Qwen3-Next attention block, as ``Qwen3NextAttention`` computes them."""
-    B, L, _ = x.shape
-    queries, gate = mx.split(attn.q_proj(x).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
-    keys = attn.k_proj(x).reshape(B, L, attn.num_key_value_heads, -1)
-    values = attn.v_proj(x).reshape(B, L, attn.num_key_value_heads, -1)
-    queries = attn.rope(attn.q_norm(queries).transpose(0, 2, 1, 3), offset=offset)
-    keys = attn.rope(attn.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)
-    return queries, keys, values.transpose(0, 2, 1, 3), gate.reshape(B, L, -1)
-
-
 def _layer_output(layer: nn.Module, x: mx.array, attended: mx.array, gate: mx.array) -> mx.array:
     """The rest of a decoder layer after attention: gated output projection,
     residual, and the MoE (or dense MLP) half."""
-    B, L, _ = x.shape
-    attended = attended.transpose(0, 2, 1, 3).reshape(B, L, -1)
-    h = x + layer.self_attn.o_proj(attended * mx.sigmoid(gate))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return mlp_residual(layer, x + gated_attention_output(layer.self_attn, attended, gate))
+
+
+def last_draft(m: mx.array, lm_head) -> tuple[mx.array, mx.array, mx.array]:
+    """The last position of the head's hiddens ``m`` ``[1, L, dim]``: its
+    logits ``[vocab]``, hidden ``[1, 1, dim]`` and greedy token ``[1, 1]``
+    int32 (lazy)."""
+    m_last = m[:, -1:, :]
+    logits = lm_head(m_last)[0, 0]
+    return logits, m_last, mx.argmax(logits).astype(mx.int32).reshape(1, 1)
 
 
 class CompiledHead:
@@ -96,18 +90,15 @@ class CompiledHead:
         )
         x = head.fc(x)
         layer = head.layers[0]
-        return (x, *_attention_inputs(layer.self_attn, layer.input_layernorm(x), offset))
+        return (x, *gated_attention_inputs(layer.self_attn, layer.input_layernorm(x), offset))
 
     def _between_impl(self, j: int, x, attended, gate, offset):
         x = _layer_output(self.head.layers[j], x, attended, gate)
         nxt = self.head.layers[j + 1]
-        return (x, *_attention_inputs(nxt.self_attn, nxt.input_layernorm(x), offset))
+        return (x, *gated_attention_inputs(nxt.self_attn, nxt.input_layernorm(x), offset))
 
     def _leave_impl(self, x, attended, gate):
-        m = self.head.norm(_layer_output(self.head.layers[-1], x, attended, gate))
-        m_last = m[:, -1:, :]
-        logits = self.lm_head(m_last)[0, 0]
-        return logits, m_last, mx.argmax(logits).astype(mx.int32).reshape(1, 1)
+        return last_draft(self.head.norm(_layer_output(self.head.layers[-1], x, attended, gate)), self.lm_head)
 
     def __call__(self, hidden: mx.array, tokens: mx.array, cache: list):
         """The head over pairs ``(hidden[:, j], tokens[:, j])`` (``[1, L, dim]``

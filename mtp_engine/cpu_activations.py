@@ -36,6 +36,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP, Qwen3Next
 from mlx_lm.models.switch_layers import SwiGLU
 
 from mtp_engine.backend import load_extension
+from mtp_engine.mtp_head import gated_attention_inputs, gated_attention_output
 
 
 def _works(module) -> bool:
@@ -97,29 +98,17 @@ def attention(queries, keys, values, cache, scale: float, mask) -> mx.array:
 
 class FastAttention(Qwen3NextAttention):
     """Qwen3-Next's gated attention with `attention` and `sigmoid`: mlx-lm
-    0.32's ``Qwen3NextAttention.__call__`` (mlx-lm is pinned to 0.32.x), the
-    two calls swapped."""
+    0.32's ``Qwen3NextAttention.__call__`` (as `gated_attention_inputs` and
+    `gated_attention_output` mirror it), the two calls swapped."""
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         if not _takes(x):
             return super().__call__(x, mask=mask, cache=cache)
-        B, L, _ = x.shape
-        queries, gate = mx.split(self.q_proj(x).reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
-        gate = gate.reshape(B, L, -1)
-        keys, values = self.k_proj(x), self.v_proj(x)
-        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
-        keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
-        values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+        queries, keys, values, gate = gated_attention_inputs(self, x, cache.offset if cache is not None else 0)
         if cache is not None:
-            queries = self.rope(queries, offset=cache.offset)
-            keys = self.rope(keys, offset=cache.offset)
             keys, values = cache.update_and_fetch(keys, values)
-        else:
-            queries = self.rope(queries)
-            keys = self.rope(keys)
         output = attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
-        output = output.transpose(0, 2, 1, 3).reshape(B, L, -1)
-        return self.o_proj(output * sigmoid(gate))
+        return gated_attention_output(self, output, gate, sigmoid)
 
 
 class FastSwiGLU(SwiGLU):

@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from mtp_engine.compiled_head import MAX_COMPILED_WIDTH, CompiledHead
+from mtp_engine.compiled_head import MAX_COMPILED_WIDTH, CompiledHead, last_draft
 from mtp_engine.mtp_head import MTPHead
 
 
@@ -126,10 +126,7 @@ class MTPDrafter:
         ``[1, 1]`` int32 of the last of the pairs (lazy)."""
         if self.compiled is not None and tokens.shape[1] <= MAX_COMPILED_WIDTH:
             return self.compiled(hidden, tokens, state.cache)
-        m = self.head(hidden, self.embed(tokens), state.cache)  # [1, L, dim]
-        m_last = m[:, -1:, :]
-        logits = self.lm_head(m_last)[0, 0]
-        return logits, m_last, mx.argmax(logits).astype(mx.int32).reshape(1, 1)
+        return last_draft(self.head(hidden, self.embed(tokens), state.cache), self.lm_head)
 
     def first_step(self, state: MTPDraftState):
         """Consume the pending pairs; return logits and hidden of the last one."""

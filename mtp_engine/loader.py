@@ -26,8 +26,8 @@ from mtp_engine.compiled import install_compiled_layers, wants_compiled_layers
 from mtp_engine.cpu_activations import install_fast_activations
 from mtp_engine.moe import install_moe_blocks
 from mtp_engine.mtp_head import MTPHead
-from mtp_engine.rowwise import install_rowwise_linears, wants_rowwise_linears
 from mtp_engine.recurrent import install_checkpointing
+from mtp_engine.rowwise import install_rowwise_linears, wants_rowwise_linears
 
 SUPPORTED_MODEL_TYPES = ("qwen3_next",)
 
@@ -151,8 +151,7 @@ def load_checkpoint(
     rowwise_linears: bool | None = None,
 ) -> LoadedCheckpoint:
     """Load trunk, MTP head and tokenizer, and install the engine's layers
-    (`install_engine_layers`: per-token checkpoints, on the CPU the vectorized
-    activations, and compiled decoder layers where ``compile_layers`` says so).
+    (`install_engine_layers`).
 
     Args:
         path: A local folder in the Hub layout (single or sharded safetensors)

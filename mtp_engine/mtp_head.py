@@ -27,6 +27,35 @@ from mlx_lm.models.qwen3_next import (
 )
 
 
+def mlp_residual(layer: nn.Module, h: mx.array) -> mx.array:
+    """The second half of a Qwen3-Next decoder layer (trunk or MTP head):
+    ``h`` plus its MoE block (or dense MLP) over the post-attention norm."""
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def gated_attention_inputs(attn: Qwen3NextAttention, x: mx.array, offset: int | mx.array = 0):
+    """Queries and keys (normed, RoPE at ``offset``), values and the output
+    gate of a Qwen3-Next gated attention block over ``x`` ``[B, L, dim]``,
+    as mlx-lm 0.32's ``Qwen3NextAttention.__call__`` computes them before
+    the KV cache (mlx-lm is pinned to 0.32.x)."""
+    B, L, _ = x.shape
+    queries, gate = mx.split(attn.q_proj(x).reshape(B, L, attn.num_attention_heads, -1), 2, axis=-1)
+    keys = attn.k_proj(x).reshape(B, L, attn.num_key_value_heads, -1)
+    values = attn.v_proj(x).reshape(B, L, attn.num_key_value_heads, -1)
+    queries = attn.rope(attn.q_norm(queries).transpose(0, 2, 1, 3), offset=offset)
+    keys = attn.rope(attn.k_norm(keys).transpose(0, 2, 1, 3), offset=offset)
+    return queries, keys, values.transpose(0, 2, 1, 3), gate.reshape(B, L, -1)
+
+
+def gated_attention_output(
+    attn: Qwen3NextAttention, attended: mx.array, gate: mx.array, sigmoid=mx.sigmoid
+) -> mx.array:
+    """The block's output projection of the attention result
+    ``[B, heads, L, head_dim]``, gated by ``sigmoid(gate)``."""
+    B, _, L, _ = attended.shape
+    return attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(B, L, -1) * sigmoid(gate))
+
+
 class MTPDecoderLayer(nn.Module):
     """Full-attention decoder layer, the same blocks as the main model's."""
 
@@ -43,8 +72,7 @@ class MTPDecoderLayer(nn.Module):
             self.mlp = Qwen3NextMLP(args.hidden_size, args.intermediate_size)
 
     def __call__(self, x: mx.array, mask, cache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return mlp_residual(self, x + self.self_attn(self.input_layernorm(x), mask, cache))
 
 
 class MTPHead(nn.Module):
