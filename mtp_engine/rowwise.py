@@ -34,6 +34,8 @@ and on Metal it is unmeasured, so off by default there.
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -56,9 +58,7 @@ def takes_rowwise_route(shape: tuple[int, ...], weight_bytes: int) -> bool:
     `MAX_ROWWISE_ROWS` rows in all, extra reads within `MAX_EXTRA_READ_BYTES`."""
     if len(shape) < 2 or shape[-2] < 2:
         return False
-    rows = 1
-    for n in shape[:-1]:
-        rows *= n
+    rows = math.prod(shape[:-1])
     return rows <= MAX_ROWWISE_ROWS and (rows - 1) * weight_bytes <= MAX_EXTRA_READ_BYTES
 
 
