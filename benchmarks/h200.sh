@@ -38,6 +38,8 @@
 #   bash benchmarks/h200.sh final-rowwise # row-by-row GPU test, then the shipped model's chain modes (3 rounds)
 #   bash benchmarks/h200.sh 80b-moe   # 80B verify(T)/forward(1) curve at 1K and 8K (contiguous MoE indices)
 #   bash benchmarks/h200.sh rowwise-batch # batch mode's throughput with few-row products row by row and as GEMMs
+#   bash benchmarks/h200.sh chain-kernel # chain drafts in one kernel launch: GPU tests, block-size probe,
+#                                        # chain modes to K=15 against the MLX head, lossless
 #   bash benchmarks/h200.sh host-drafts # shipped model, chain modes drafted on the host CPU (C++ head) and on the GPU (MLX), one run
 #                                       # (needs _mtp_draft built for the GPU machine's Python in $EXT_DIR:
 #                                       #  bash benchmarks/build_host_draft_ext.sh builds it into .gpu-stage/b/ext)
@@ -94,6 +96,15 @@ case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
       MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-100}" python3 -u benchmarks/graph_settings.py --synthetic 80b \
         --context $context --widths 1 2 3 4 5 8 --repeats 20 --json "$out/80b-moe-curve.jsonl"
     done 2>&1 | grep -v Warn | tee "$out/80b-moe-curve.log" ;;
+  chain-kernel)  # the chain-draft kernel: GPU tests, block-size probe, chain modes, lossless
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/test_cuda_drafter.py \
+      -k gpu 2>&1 | tail -25 | tee "$out/chain-kernel-tests.log"
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout 90 python3 -u benchmarks/chain_kernel_probe.py 2>&1 | tee "$out/chain-kernel-probe.log"
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout 240 $bench --limit 8 --max-tokens 64 --rounds 2 \
+      --modes baseline mlx_lm chain-k4 chain-k6 chain-k8 chain-k8-mlxdraft chain-k10 chain-k12 chain-k15 --batch-sizes \
+      --json "$out/chain-kernel-shipped.json" 2>&1 | tee "$out/chain-kernel-shipped.log" | grep -v "^round"
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-100}" python3 -m mtp_engine.lossless --limit 8 --max-tokens 64 \
+      2>&1 | tail -20 | tee "$out/chain-kernel-lossless.log" ;;
   rowwise-batch)  # batch mode's dataset throughput (32 prompts) with few-row products row by row and as GEMMs
     for rowwise in on off; do
       MLX_CUDA_USE_CUDNN_SDPA=0 timeout 120 $bench --limit 4 --max-tokens 64 --rounds 1 --rowwise $rowwise \

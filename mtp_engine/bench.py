@@ -43,13 +43,20 @@ MODE_SPECS = {
     "chain-k3": dict(mode="chain", draft_tokens=3),
     "chain-k4": dict(mode="chain", draft_tokens=4),
     "chain-k6": dict(mode="chain", draft_tokens=6),
-    # The same chains drafted by the MLX head, where the C++ one is the default.
+    # The same chains drafted by the MLX head, where the C++ head (CPU) or the
+    # chain kernel (CUDA) is the default.
     "chain-k4-mlxdraft": dict(mode="chain", draft_tokens=4, drafter="mlx"),
     "chain-k6-mlxdraft": dict(mode="chain", draft_tokens=6, drafter="mlx"),
-    # In OPTIONAL_MODES (not the default run): the MLX head without compilation, and K=8.
+    # In OPTIONAL_MODES (not the default run): the MLX head without
+    # compilation, and deeper chains (which pay where drafts are cheap: the
+    # chain kernel on CUDA).
     "chain-k4-eagerhead": dict(mode="chain", draft_tokens=4, drafter="mlx-eager"),
     "chain-k6-eagerhead": dict(mode="chain", draft_tokens=6, drafter="mlx-eager"),
     "chain-k8": dict(mode="chain", draft_tokens=8),
+    "chain-k8-mlxdraft": dict(mode="chain", draft_tokens=8, drafter="mlx"),
+    "chain-k10": dict(mode="chain", draft_tokens=10),
+    "chain-k12": dict(mode="chain", draft_tokens=12),
+    "chain-k15": dict(mode="chain", draft_tokens=15),
     "adaptive-k5": dict(mode="adaptive", draft_tokens=5, tau=0.5),
     "tree-k3": dict(mode="tree", draft_tokens=3),
     "adaptive_tree-k5": dict(mode="adaptive_tree", draft_tokens=5, tau=0.5),
@@ -57,7 +64,9 @@ MODE_SPECS = {
     "paths-k3-p3": dict(mode="paths", draft_tokens=3, paths=3),
 }
 
-OPTIONAL_MODES = ("chain-k4-eagerhead", "chain-k6-eagerhead", "chain-k8")
+OPTIONAL_MODES = (
+    "chain-k4-eagerhead", "chain-k6-eagerhead", "chain-k8", "chain-k8-mlxdraft", "chain-k10", "chain-k12", "chain-k15",
+)
 """Specs only ``--modes`` asks for."""
 DEFAULT_MODES = tuple(n for n in MODE_SPECS if n not in OPTIONAL_MODES)
 """What ``make bench`` times."""
@@ -204,7 +213,8 @@ def forward_costs(engine: MTPEngine, context: list[int], widths: list[int], repe
     pairs = context[len(context) - n + 1 :] + [7]
     h1 = hidden[:, -1:]
     drafter = engine.drafter_for("chain")
-    out = {"verify_s": out, "drafter": "c++" if drafter is engine.native_drafter else "mlx"}
+    kind = "c++" if drafter is engine.native_drafter else "cuda" if drafter is engine.kernel_drafter else "mlx"
+    out = {"verify_s": out, "drafter": kind}
     if drafter is engine.native_drafter:  # one pair in, one draft out, is one step
         state = drafter.new_state()
         drafter.set_pending(state, hidden, pairs)
@@ -219,10 +229,32 @@ def forward_costs(engine: MTPEngine, context: list[int], widths: list[int], repe
         native_step()
         out["mtp_step_s"] = _median_seconds(native_step, repeats)
     else:
-        out["mtp_step_s"] = _median_seconds(mlx_draft_step(drafter, hidden, pairs, h1), repeats)
+        out["mtp_step_s"] = _median_seconds(mlx_draft_step(engine.drafter, hidden, pairs, h1), repeats)
     if engine.eager_drafter is not engine.drafter and drafter is not engine.native_drafter:
         out["mtp_step_eager_s"] = _median_seconds(mlx_draft_step(engine.eager_drafter, hidden, pairs, h1), repeats)
+    if drafter is engine.kernel_drafter:
+        out["kernel_chain_s"] = {
+            k: _median_seconds(kernel_chain(drafter, hidden, pairs, h1, k), repeats) for k in range(1, max(widths))
+        }
     return out
+
+
+def kernel_chain(drafter, hidden: mx.array, pairs: list[int], h1: mx.array, k: int):
+    """A callable that drafts a chain of ``k`` with the chain kernel from one
+    pending pair (tokens read back, the head's cache rewound), after the
+    head consumed ``pairs``; it is called once here, as a warm-up."""
+    state = drafter.new_state()
+    drafter.set_pending(state, hidden, pairs)
+    drafter.draft(state, 1).tolist()
+    base = state.base
+
+    def chain():
+        drafter.rewind(state, base)
+        drafter.set_pending(state, h1, [7])
+        drafter.draft(state, k).tolist()
+
+    chain()
+    return chain
 
 
 def mlx_draft_step(drafter, hidden: mx.array, pairs: list[int], h1: mx.array):
@@ -303,19 +335,26 @@ def cost_model(costs: dict, rows: list[dict], totals: dict | None = None) -> dic
     }
     if "mtp_step_eager_s" in costs:
         out["mtp_step_eager_ratio"] = round(costs["mtp_step_eager_s"] / t1, 3)
+    kernel = costs.get("kernel_chain_s")
+    if kernel:
+        out["kernel_chain_ratio"] = {str(k): round(s / t1, 3) for k, s in kernel.items()}
     for row in rows:
         p = row["params"] or {}
         drafter = p.get("drafter", "auto")
-        if drafter == "mlx-eager" and "mtp_step_eager_s" in costs:
-            mtp_step = costs["mtp_step_eager_s"]
-        elif drafter == "auto":
-            mtp_step = costs["mtp_step_s"]
-        else:
-            continue  # the cost model times the default chain drafter (and the eager MLX head)
         if p.get("mode") != "chain" or not row["acceptance_length"]:
             continue
         k = p["draft_tokens"]
-        step = k * mtp_step + v.get(k + 1, t1)
+        if drafter == "mlx-eager" and "mtp_step_eager_s" in costs:
+            drafts = k * costs["mtp_step_eager_s"]
+        elif drafter == "auto" and kernel:
+            if k not in kernel:
+                continue
+            drafts = kernel[k]
+        elif drafter == "auto" or (drafter == "mlx" and costs.get("drafter") == "cuda"):
+            drafts = k * costs["mtp_step_s"]
+        else:
+            continue  # the cost model times the default chain drafter, the MLX heads and the kernel
+        step = drafts + v.get(k + 1, t1)
         predicted = row["acceptance_length"] * t1 / step
         measured = row["decode_speedup"]
         entry = {
@@ -415,6 +454,7 @@ def print_table(report: dict, log) -> None:
     if cm:
         log(f"cost model: forward(T)/forward(1) = {cm['forward_ratio']}, MTP step = {cm['mtp_step_ratio']} x forward(1) ({cm.get('chain_drafter', 'mlx')} drafter)"
             + (f", {cm['mtp_step_eager_ratio']} with the eager MLX head" if "mtp_step_eager_ratio" in cm else "")
+            + (f", chain kernel (K drafts)/forward(1) = {cm['kernel_chain_ratio']}" if "kernel_chain_ratio" in cm else "")
             + f", forward(1) = {cm['forward_1_ms']} ms")
         for p in cm["predicted"]:
             extra = f", step {p['step_ms']} ms of which forwards {p['forwards_ms']} ms, overhead {100 * p['overhead_share']:.0f}%" if "step_ms" in p else ""

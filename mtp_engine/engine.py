@@ -29,6 +29,7 @@ from mtp_engine.cache_ops import (
 )
 from mtp_engine.compiled_head import can_compile_head
 from mtp_engine.cpu_drafter import NativeDrafter, native_head
+from mtp_engine.cuda_drafter import KernelDrafter, chain_kernel
 from mtp_engine.drafter import MTPDrafter
 from mtp_engine.loader import LoadedCheckpoint, load_checkpoint
 from mtp_engine.modes import DecodeConfig
@@ -37,7 +38,7 @@ from mtp_engine.stopping import Finisher, stop_list
 from schemas.records import GenerationResult, GenerationStats, StepTrace
 
 
-DRAFTERS = ("auto", "mlx", "mlx-eager", "c++")
+DRAFTERS = ("auto", "mlx", "mlx-eager", "c++", "cuda")
 """Who may draft a generation's chain and adaptive modes (`MTPEngine.generate`)."""
 
 
@@ -109,6 +110,9 @@ class MTPEngine:
         compile_head: Draft through a `CompiledHead` (the head's forward
             compiled around its KV-cache attention). Default: whenever the
             head allows it (`can_compile_head`).
+        draft_kernel: On CUDA, draft chains with one kernel launch each
+            (`mtp_engine.cuda_drafter`). Default: wherever the kernel can
+            serve the head; False never.
     """
 
     def __init__(
@@ -119,6 +123,7 @@ class MTPEngine:
         prefill_step_size: int = 2048,
         host_drafts: bool = False,
         compile_head: bool | None = None,
+        draft_kernel: bool | None = None,
     ):
         self.checkpoint = checkpoint
         self.model = checkpoint.model
@@ -148,6 +153,14 @@ class MTPEngine:
         lm_head = trunk.embed_tokens if self.model.args.tie_word_embeddings else self.model.lm_head
         native = native_head(checkpoint.head, trunk.embed_tokens, lm_head, on_gpu=host_drafts)
         self.native_drafter = NativeDrafter(native) if native is not None else None
+        # On CUDA, chain drafts run as one kernel launch where it serves the head.
+        kernel = chain_kernel(checkpoint.head, trunk.embed_tokens, lm_head) if draft_kernel is not False else None
+        self.kernel_drafter = (
+            KernelDrafter(checkpoint.head, trunk.embed_tokens, self.lm_head, kernel, prefill_step_size,
+                          compiled=compile_head)
+            if kernel is not None
+            else None
+        )
 
     @classmethod
     def load(
@@ -241,9 +254,10 @@ class MTPEngine:
             trace: Record every verify step in ``result.trace``.
             tree_pos2: "tree" mode adds the branch at draft position 2.
             drafter: Who drafts chain and adaptive modes: "auto" (the C++
-                head where the engine has it, see `drafter_for`), "mlx",
-                "mlx-eager" (the MLX head, not compiled, in every mode) or
-                "c++". It changes speed, never the output.
+                head or the CUDA chain kernel where the engine has them, see
+                `drafter_for`), "mlx", "mlx-eager" (the MLX head, not
+                compiled, in every mode), "c++" or "cuda" (chains only). It
+                changes speed, never the output.
 
         Returns:
             A `GenerationResult`.
@@ -351,12 +365,17 @@ class MTPEngine:
 
     def drafter_for(self, mode: str, choice: str = "auto") -> MTPDrafter | NativeDrafter:
         """The drafter a mode uses. "auto": the C++ one for chain and
-        adaptive drafts when the engine has it, else the MLX one; "mlx";
-        "mlx-eager" (the MLX head without `CompiledHead`); "c++" (a
-        ValueError where the engine has none or the mode forks)."""
+        adaptive drafts when the engine has it, else the CUDA chain kernel
+        for chains when the engine has it, else the MLX one; "mlx";
+        "mlx-eager" (the MLX head without `CompiledHead`); "c++" and "cuda"
+        (a ValueError where the engine has none or the mode is not one they
+        draft)."""
         native_ok = self.native_drafter is not None and mode in ("chain", "adaptive")
+        kernel_ok = self.kernel_drafter is not None and mode == "chain"
         if choice == "auto":
-            return self.native_drafter if native_ok else self.drafter
+            if native_ok:
+                return self.native_drafter
+            return self.kernel_drafter if kernel_ok else self.drafter
         if choice == "mlx":
             return self.drafter
         if choice == "mlx-eager":
@@ -368,6 +387,13 @@ class MTPEngine:
                     "backend (or with host_drafts=True) when the _mtp_draft extension is built"
                 )
             return self.native_drafter
+        if choice == "cuda":
+            if not kernel_ok:
+                raise ValueError(
+                    f"no cuda chain kernel for mode {mode!r}: it drafts chain mode on MLX's CUDA backend "
+                    "for one-layer MoE heads of unquantized weights (mtp_engine.cuda_drafter)"
+                )
+            return self.kernel_drafter
         raise ValueError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))}, got {choice!r}")
 
     def _speculate(self, spec, drafter, ids, prompt_hidden, x, caches, finisher, stats, steps) -> None:

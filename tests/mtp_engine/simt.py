@@ -1,0 +1,92 @@
+"""Run an ``mx.fast.cuda_kernel`` source on the CPU under ``simt_emu.h``.
+
+The wrapper is built the way MLX 0.32's CUDA backend builds a custom
+kernel (inputs as ``const T*``, outputs as ``T*``, template arguments as
+``constexpr`` constants or type aliases ahead of the body), then compiled
+with the system's C++ compiler and called through ctypes on numpy copies of
+the inputs. One block only (what the engine's one-block kernels launch).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+HERE = Path(__file__).parent
+_BUILD = Path(tempfile.gettempdir()) / "mtp-simt"
+_TYPES = {mx.float32: "float", mx.int32: "int32_t", mx.bfloat16: "__nv_bfloat16"}
+_NUMPY = {mx.float32: np.float32, mx.int32: np.int32, mx.bfloat16: np.uint16}
+
+
+def compiler() -> str | None:
+    return shutil.which("g++") or shutil.which("c++")
+
+
+def _numpy(a: mx.array) -> np.ndarray:
+    if a.dtype == mx.bfloat16:
+        return np.ascontiguousarray(np.array(a.view(mx.uint16)))
+    return np.ascontiguousarray(np.array(a))
+
+
+def _to_mx(a: np.ndarray, dtype) -> mx.array:
+    out = mx.array(a)
+    return out.view(mx.bfloat16) if dtype == mx.bfloat16 else out
+
+
+def _source(header, body, names, inputs, out_names, out_dtypes, template) -> str:
+    params = [f"const {_TYPES[a.dtype]}* {n}" for n, a in zip(names, inputs)]
+    params += [f"{_TYPES[d]}* {n}" for n, d in zip(out_names, out_dtypes)]
+    consts = []
+    for name, value in template:
+        if isinstance(value, mx.Dtype):
+            consts.append(f"  using {name} = {_TYPES[value]};")
+        elif isinstance(value, bool):
+            consts.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
+        else:
+            consts.append(f"  constexpr int {name} = {value};")
+    casts = [
+        f"({'const ' if i < len(inputs) else ''}{_TYPES[d]}*)ptrs[{i}]"
+        for i, d in enumerate([a.dtype for a in inputs] + list(out_dtypes))
+    ]
+    return "\n".join([
+        '#include "simt_emu.h"',
+        header,
+        "static void kernel(" + ", ".join(params) + ") {",
+        *consts,
+        body,
+        "}",
+        'extern "C" void launch(void** ptrs, int threads) {',
+        "  simt::run(threads, [&] { kernel(" + ", ".join(casts) + "); });",
+        "}",
+    ])
+
+
+def run(header, body, names, inputs, out_names, template, shapes, dtypes, threads=64) -> list[mx.array]:
+    """The kernel's outputs (as MLX arrays) for one block of ``threads``."""
+    inputs = [mx.contiguous(a) for a in inputs]
+    mx.eval(inputs)
+    text = _source(header, body, names, inputs, out_names, dtypes, template)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    _BUILD.mkdir(exist_ok=True)
+    lib = _BUILD / f"k{digest}.so"
+    if not lib.exists():
+        src = _BUILD / f"k{digest}.cpp"
+        src.write_text(text)
+        tmp = lib.with_suffix(".tmp")
+        subprocess.run(
+            [compiler(), "-std=c++20", "-O1", "-pthread", "-shared", "-fPIC", f"-I{HERE}", str(src), "-o", str(tmp)],
+            check=True, capture_output=True, text=True,
+        )
+        tmp.rename(lib)
+    fn = ctypes.CDLL(str(lib)).launch
+    arrays = [_numpy(a) for a in inputs] + [np.zeros(s, dtype=_NUMPY[d]) for s, d in zip(shapes, dtypes)]
+    ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+    fn(ptrs, ctypes.c_int(threads))
+    return [_to_mx(a, d) for a, d in zip(arrays[len(inputs):], dtypes)]

@@ -1,0 +1,95 @@
+// A small SIMT emulator: runs a CUDA kernel body written for one thread
+// block on the CPU, one std::thread per CUDA thread, so the tests can check
+// a kernel's logic (indexing, phases, warp reductions) on machines without
+// a GPU. __syncthreads is a barrier of the block, __syncwarp and the warp
+// shuffles barriers of the warp; __shared__ variables are function statics
+// (one copy, seen by every thread). Only what the engine's kernels use.
+
+#pragma once
+
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <vector>
+
+struct simt_dim3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+inline thread_local simt_dim3 threadIdx;
+inline simt_dim3 blockDim;
+
+struct uint4 {
+  uint32_t x, y, z, w;
+};
+
+// bfloat16 storage with float conversions (round to nearest even), as CUDA's.
+struct __nv_bfloat16 {
+  uint16_t bits;
+  __nv_bfloat16() = default;
+  __nv_bfloat16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    bits = static_cast<uint16_t>(u >> 16);
+  }
+  operator float() const {
+    const uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __shared__ static
+
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+using std::max;
+using std::min;
+
+namespace simt {
+inline std::unique_ptr<std::barrier<>> block_barrier;
+inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
+inline std::vector<uint64_t> slots;  // 32 per warp
+
+inline void run(int threads, const std::function<void()>& body) {
+  blockDim.x = threads;
+  blockDim.y = blockDim.z = 1;
+  block_barrier = std::make_unique<std::barrier<>>(threads);
+  warp_barriers.clear();
+  for (int w = 0; w < threads / 32; w++) warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
+  slots.assign(threads, 0);
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; t++) {
+    pool.emplace_back([t, &body] {
+      threadIdx.x = t;
+      body();
+    });
+  }
+  for (auto& th : pool) th.join();
+}
+}  // namespace simt
+
+inline void __syncthreads() { simt::block_barrier->arrive_and_wait(); }
+inline void __syncwarp() { simt::warp_barriers[threadIdx.x >> 5]->arrive_and_wait(); }
+
+template <typename T>
+T __shfl_xor_sync(unsigned, T v, int lane_mask) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  simt::slots[warp * 32 + lane] = bits;
+  simt::warp_barriers[warp]->arrive_and_wait();
+  const uint64_t other = simt::slots[warp * 32 + (lane ^ lane_mask)];
+  simt::warp_barriers[warp]->arrive_and_wait();
+  T out;
+  std::memcpy(&out, &other, sizeof(T));
+  return out;
+}
