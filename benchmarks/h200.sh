@@ -40,6 +40,8 @@
 #   bash benchmarks/h200.sh rowwise-batch # batch mode's throughput with few-row products row by row and as GEMMs
 #   bash benchmarks/h200.sh chain-kernel # chain drafts in one kernel launch: GPU tests, block-size probe,
 #                                        # chain modes to K=15 against the MLX head, lossless
+#   bash benchmarks/h200.sh chain-kernel-final # GPU tests, chain modes (3 rounds) next to batch mode's throughput,
+#                                              # then batch mode with few-row products row by row and as GEMMs
 #   bash benchmarks/h200.sh host-drafts # shipped model, chain modes drafted on the host CPU (C++ head) and on the GPU (MLX), one run
 #                                       # (needs _mtp_draft built for the GPU machine's Python in $EXT_DIR:
 #                                       #  bash benchmarks/build_host_draft_ext.sh builds it into .gpu-stage/b/ext)
@@ -105,6 +107,18 @@ case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
       --json "$out/chain-kernel-shipped.json" 2>&1 | tee "$out/chain-kernel-shipped.log" | grep -v "^round"
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-100}" python3 -m mtp_engine.lossless --limit 8 --max-tokens 64 \
       2>&1 | tail -20 | tee "$out/chain-kernel-lossless.log" ;;
+  chain-kernel-final)  # GPU tests; chains (kernel and MLX head) and batch mode side by side; batch mode's rows on/off
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/test_cuda_drafter.py \
+      -k gpu 2>&1 | tail -5 | tee "$out/chain-kernel-final-tests.log"
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout 260 $bench --limit 8 --max-tokens 64 --rounds 3 \
+      --modes baseline mlx_lm chain-k4 chain-k6 chain-k8 chain-k8-mlxdraft chain-k10 chain-k12 chain-k15 \
+      --batch-sizes 16 32 --batch-limit 32 \
+      --json "$out/chain-kernel-final.json" 2>&1 | tee "$out/chain-kernel-final.log" | grep -v "^round"
+    for rowwise in on off; do
+      MLX_CUDA_USE_CUDNN_SDPA=0 timeout 90 $bench --limit 4 --max-tokens 64 --rounds 1 --rowwise $rowwise \
+        --modes baseline --batch-sizes 8 16 32 --batch-limit 32 \
+        --json "$out/rowwise-batch-$rowwise.json" 2>&1 | tee "$out/rowwise-batch-$rowwise.log" | grep "products\|dataset"
+    done ;;
   rowwise-batch)  # batch mode's dataset throughput (32 prompts) with few-row products row by row and as GEMMs
     for rowwise in on off; do
       MLX_CUDA_USE_CUDNN_SDPA=0 timeout 120 $bench --limit 4 --max-tokens 64 --rounds 1 --rowwise $rowwise \

@@ -60,11 +60,13 @@ One block streams them (mostly from L2 after the first step): the shipped
 model's head reads about 3 MB a step; a Qwen3-Next-80B head, whose LM head
 alone is 600 MB in bfloat16, keeps the MLX head."""
 
-THREADS = 1024
-"""Threads of the one block (32 warps; the kernel needs at most 64
-registers a thread, 56 as NVCC 13 compiles it for sm_90). On the H200 a
-chain of 8 took 1.62 ms with 1024 threads, 1.87 with 512, 2.02 with 256
-(`benchmarks/chain_kernel_probe.py`)."""
+THREADS = 512
+"""Threads of the one block (16 warps). MLX's custom kernels cannot declare
+launch bounds, so 1024 threads launch only while the compiler keeps to 64
+registers a thread: it did for the shipped model's bfloat16 head (56 as
+NVCC 13 compiles it for sm_90) but not for a float32 test head ("too many
+resources requested for launch"). 512 allows 128. On the H200, chains of
+8 took 1.23 ms with either (`benchmarks/chain_kernel_probe.py`)."""
 
 WEIGHT_ORDER = (
     "embed", "lm_head", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm",
