@@ -40,6 +40,9 @@
 #   bash benchmarks/h200.sh rowwise-batch # batch mode's throughput with few-row products row by row and as GEMMs
 #   bash benchmarks/h200.sh chain-kernel # chain drafts in one kernel launch: GPU tests, block-size probe,
 #                                        # chain modes to K=15 against the MLX head, lossless
+#   bash benchmarks/h200.sh 80b-32k-modes # 80B shapes at 32K: interleaved verify curve, then baseline against
+#                                         # chain K=3 and tree K=3 (peak memory, the cost of tiling, cost model)
+#   bash benchmarks/h200.sh 80b-32k-overhead # 80B shapes at 32K: chain K=2/3 against baseline, 2 rounds
 #   bash benchmarks/h200.sh chain-kernel-final # GPU tests, chain modes (3 rounds) next to batch mode's throughput,
 #                                              # then batch mode with few-row products row by row and as GEMMs
 #   bash benchmarks/h200.sh host-drafts # shipped model, chain modes drafted on the host CPU (C++ head) and on the GPU (MLX), one run
@@ -107,6 +110,17 @@ case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
       --json "$out/chain-kernel-shipped.json" 2>&1 | tee "$out/chain-kernel-shipped.log" | grep -v "^round"
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-100}" python3 -m mtp_engine.lossless --limit 8 --max-tokens 64 \
       2>&1 | tail -20 | tee "$out/chain-kernel-lossless.log" ;;
+  80b-32k-modes)
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout 200 python3 -u benchmarks/graph_settings.py --synthetic 80b \
+      --context 32768 --widths 1 2 3 4 5 8 --repeats 20 --json "$out/80b-32k-curve.jsonl" 2>&1 | grep -v Warn \
+      | tee "$out/80b-32k-curve.log"
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout 370 $bench --synthetic 80b --limit 1 --max-tokens 24 --rounds 1 \
+      --modes baseline chain-k3 tree-k3 --contexts 32768 --batch-sizes --time-budget 330 \
+      --json "$out/80b-32k-modes.json" 2>&1 | tee "$out/80b-32k-modes.log" ;;
+  80b-32k-overhead)  # 80B shapes at 32K, chain K=2 and 3 against baseline over 2 rounds (engine overhead again)
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout 420 $bench --synthetic 80b --limit 1 --max-tokens 32 --rounds 2 \
+      --modes baseline chain-k2 chain-k3 --contexts 32768 --batch-sizes --time-budget 400 \
+      --json "$out/80b-32k-overhead.json" 2>&1 | tee "$out/80b-32k-overhead.log" ;;
   chain-kernel-final)  # GPU tests; chains (kernel and MLX head) and batch mode side by side; batch mode's rows on/off
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/test_cuda_drafter.py \
       -k gpu 2>&1 | tail -5 | tee "$out/chain-kernel-final-tests.log"
