@@ -43,6 +43,7 @@
 #   bash benchmarks/h200.sh 80b-32k-modes # 80B shapes at 32K: interleaved verify curve, then baseline against
 #                                         # chain K=3 and tree K=3 (peak memory, the cost of tiling, cost model)
 #   bash benchmarks/h200.sh 80b-32k-overhead # 80B shapes at 32K: chain K=2/3 against baseline, 2 rounds
+#   bash benchmarks/h200.sh 80b-batch-short # 80B shapes, batch mode at B = 1 and 8 (short, to fit a call's end)
 #   bash benchmarks/h200.sh chain-kernel-final # GPU tests, chain modes (3 rounds) next to batch mode's throughput,
 #                                              # then batch mode with few-row products row by row and as GEMMs
 #   bash benchmarks/h200.sh host-drafts # shipped model, chain modes drafted on the host CPU (C++ head) and on the GPU (MLX), one run
@@ -121,6 +122,10 @@ case "${1:?shipped, 80b, 80b-batch, cudnn or lossless}" in
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout 420 $bench --synthetic 80b --limit 1 --max-tokens 32 --rounds 2 \
       --modes baseline chain-k2 chain-k3 --contexts 32768 --batch-sizes --time-budget 400 \
       --json "$out/80b-32k-overhead.json" 2>&1 | tee "$out/80b-32k-overhead.log" ;;
+  80b-batch-short)  # 80B shapes, batch mode at B = 1 and 8 only (does mlx-lm's BatchGenerator still fail there?)
+    MLX_CUDA_USE_CUDNN_SDPA=0 timeout "${LIMIT:-200}" $bench --synthetic 80b --limit 1 --max-tokens 16 \
+      --rounds 1 --modes baseline --batch-sizes 1 8 --batch-limit 8 \
+      --json "$out/h200-80b-batch-short.json" 2>&1 | tee "$out/h200-80b-batch-short.log" ;;
   chain-kernel-final)  # GPU tests; chains (kernel and MLX head) and batch mode side by side; batch mode's rows on/off
     MLX_CUDA_USE_CUDNN_SDPA=0 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/test_cuda_drafter.py \
       -k gpu 2>&1 | tail -5 | tee "$out/chain-kernel-final-tests.log"

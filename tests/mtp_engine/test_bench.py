@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from mtp_engine import cpu_recurrence
-from mtp_engine.bench import main
+from mtp_engine.bench import cost_model, main
 
 
 def test_bench_report(tmp_path, tiny_path):
@@ -47,3 +47,23 @@ def test_bench_eager_layers_give_the_same_tokens(tmp_path, tiny_path):
     assert all(r["identical"] for r in report["results"])
     # The cost model times every verify width a timed chain feeds (K + 1).
     assert set(report["cost_model"]["forward_ratio"]) == {str(t) for t in range(1, 10)}
+
+
+def test_cost_model_prices_a_kernel_chain_as_one_launch():
+    """With the CUDA chain kernel a chain of K drafts is priced by its own
+    measured cost, not K MTP steps; chains drafted by the MLX head keep
+    K MTP steps."""
+    costs = {"verify_s": {1: 0.010, 5: 0.012, 9: 0.013}, "mtp_step_s": 0.002, "drafter": "cuda",
+             "kernel_chain_s": {4: 0.001, 8: 0.002}}
+    rows = [
+        dict(mode="chain-k4", params=dict(mode="chain", draft_tokens=4), acceptance_length=3.0,
+             decode_speedup=2.0),
+        dict(mode="chain-k8-mlxdraft", params=dict(mode="chain", draft_tokens=8, drafter="mlx"),
+             acceptance_length=5.0, decode_speedup=2.5),
+    ]
+    cm = cost_model(costs, rows)
+    by_mode = {p["mode"]: p for p in cm["predicted"]}
+    assert by_mode["chain-k4"]["predicted_speedup"] == round(3.0 * 0.010 / (0.001 + 0.012), 3)
+    assert by_mode["chain-k8-mlxdraft"]["predicted_speedup"] == round(5.0 * 0.010 / (8 * 0.002 + 0.013), 3)
+    assert cm["kernel_chain_ratio"] == {"4": 0.1, "8": 0.2}
+    assert cm["chain_drafter"] == "cuda"
