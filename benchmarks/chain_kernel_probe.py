@@ -28,21 +28,6 @@ def median_ms(fn, repeats):
     return 1e3 * sorted(times)[len(times) // 2]
 
 
-def mlx_chain(drafter, hidden, pairs, h1, k):
-    state = drafter.new_state()
-    drafter.set_pending(state, hidden, pairs)
-    drafter.draft(state, 1).tolist()
-    base = state.base
-
-    def chain():
-        drafter.rewind(state, base)
-        drafter.set_pending(state, h1, [7])
-        drafter.draft(state, k).tolist()
-
-    chain()
-    return chain
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=bench.DEFAULT_MODEL)
@@ -55,12 +40,12 @@ def main():
     hidden = engine.model.model(mx.array(ids)[None], cache=make_main_cache(engine.model))
     pairs, h1 = ids[1:] + [7], hidden[:, -1:]
     ks = (1, 2, 4, 6, 8, 10, 12, 15)
-    rows = {"mlx head": [median_ms(mlx_chain(engine.drafter, hidden, pairs, h1, k), args.repeats) for k in ks]}
+    rows = {"mlx head": [median_ms(bench.chain_draft(engine.drafter, hidden, pairs, h1, k), args.repeats) for k in ks]}
     for threads in (256, 512, 1024):
         cuda_drafter.THREADS = threads
         try:
             rows[f"kernel, {threads} threads"] = [
-                median_ms(bench.kernel_chain(engine.kernel_drafter, hidden, pairs, h1, k), args.repeats) for k in ks
+                median_ms(bench.chain_draft(engine.kernel_drafter, hidden, pairs, h1, k), args.repeats) for k in ks
             ]
         except Exception as e:  # noqa: BLE001 - a block size the device refuses is a result here
             print(f"{threads} threads: {type(e).__name__}: {e}")

@@ -234,15 +234,16 @@ def forward_costs(engine: MTPEngine, context: list[int], widths: list[int], repe
         out["mtp_step_eager_s"] = _median_seconds(mlx_draft_step(engine.eager_drafter, hidden, pairs, h1), repeats)
     if drafter is engine.kernel_drafter:
         out["kernel_chain_s"] = {
-            k: _median_seconds(kernel_chain(drafter, hidden, pairs, h1, k), repeats) for k in range(1, max(widths))
+            k: _median_seconds(chain_draft(drafter, hidden, pairs, h1, k), repeats) for k in range(1, max(widths))
         }
     return out
 
 
-def kernel_chain(drafter, hidden: mx.array, pairs: list[int], h1: mx.array, k: int):
-    """A callable that drafts a chain of ``k`` with the chain kernel from one
-    pending pair (tokens read back, the head's cache rewound), after the
-    head consumed ``pairs``; it is called once here, as a warm-up."""
+def chain_draft(drafter, hidden: mx.array, pairs: list[int], h1: mx.array, k: int):
+    """A callable that drafts a chain of ``k`` from one pending pair (tokens
+    read back, the head's cache rewound) with an `MTPDrafter` (the MLX head,
+    or the CUDA chain kernel's `KernelDrafter`), after the head consumed
+    ``pairs``; it is called once here, as a warm-up."""
     state = drafter.new_state()
     drafter.set_pending(state, hidden, pairs)
     drafter.draft(state, 1).tolist()

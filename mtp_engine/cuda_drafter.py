@@ -103,6 +103,18 @@ __device__ __forceinline__ float mtp_warp_max(float v) {
   return v;
 }
 
+// The warp's largest (value, index), the lowest index among equal values.
+__device__ __forceinline__ void mtp_warp_argmax(float& value, int& index) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(MTP_FULL_MASK, value, o);
+    const int oi = __shfl_xor_sync(MTP_FULL_MASK, index, o);
+    if (ov > value || (ov == value && oi < index)) {
+      value = ov;
+      index = oi;
+    }
+  }
+}
+
 __device__ __forceinline__ float mtp_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float mtp_silu(float x) { return x * mtp_sigmoid(x); }
 
@@ -456,14 +468,7 @@ SOURCE = r"""
         bi = i;
       }
     }
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(MTP_FULL_MASK, bv, o);
-      const int oi = __shfl_xor_sync(MTP_FULL_MASK, bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
+    mtp_warp_argmax(bv, bi);
     if (lane == 0) {
       red_v[warp] = bv;
       red_i[warp] = bi;
@@ -472,14 +477,7 @@ SOURCE = r"""
     if (warp == 0) {
       bv = lane < warps ? red_v[lane] : MTP_NEG_MAX;
       bi = lane < warps ? red_i[lane] : 0x7fffffff;
-      for (int o = 16; o > 0; o >>= 1) {
-        const float ov = __shfl_xor_sync(MTP_FULL_MASK, bv, o);
-        const int oi = __shfl_xor_sync(MTP_FULL_MASK, bi, o);
-        if (ov > bv || (ov == bv && oi < bi)) {
-          bv = ov;
-          bi = oi;
-        }
-      }
+      mtp_warp_argmax(bv, bi);
       if (lane == 0) {
         tok_sh = bi;
         drafts[step] = bi;
