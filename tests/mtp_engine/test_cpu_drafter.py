@@ -107,7 +107,7 @@ def test_tree_modes_keep_the_mlx_drafter(tiny_engine):
         assert tiny_engine.drafter_for(mode) is tiny_engine.drafter
         with pytest.raises(ValueError, match=f"no C\\+\\+ drafter for mode '{mode}'"):
             tiny_engine.generate("x", max_tokens=4, mode=mode, drafter="c++")
-    with pytest.raises(ValueError, match="drafter must be one of 'auto', 'mlx', 'mlx-eager', 'c\\+\\+', got 'gpu'"):
+    with pytest.raises(ValueError, match="drafter must be one of 'auto', 'mlx', 'mlx-eager', 'c\\+\\+', 'cuda', got 'gpu'"):
         tiny_engine.generate("x", max_tokens=4, mode="baseline", drafter="gpu")
 
 
