@@ -509,11 +509,6 @@ def work_offsets(config: dict) -> dict[str, int]:
     return offsets
 
 
-def work_floats(config: dict, pmax: int) -> int:
-    """Scratch floats of one launch."""
-    return work_offsets(config)["scores"] + config["heads"] * pmax
-
-
 def kernel_weights(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> tuple[list[mx.array], dict] | None:
     """The kernel's weights (in `WEIGHT_ARGS` order) and configuration, or
     None where it cannot serve the head: several MTP layers, quantized or
@@ -563,15 +558,15 @@ class ChainKernel:
     """The chain kernel bound to one head's weights.
 
     Args:
-        weights, config: What `kernel_weights` returned.
-        dtype: The weights' dtype (also the KV cache's when the cache is
-            still empty).
+        weights, config: What `kernel_weights` returned. The weights' dtype
+            is also the KV cache's while the cache is empty.
     """
 
-    def __init__(self, weights: list[mx.array], config: dict, dtype: mx.Dtype):
+    def __init__(self, weights: list[mx.array], config: dict):
         self.weights = weights
         self.config = config
-        self.dtype = dtype
+        self.dtype = weights[0].dtype
+        self.fixed_work = work_offsets(config)["scores"]  # scratch floats ahead of the score rows
         c = config
         half = c["rope_dims"] // 2
         self.inv_freq = mx.array(
@@ -606,7 +601,7 @@ class ChainKernel:
         inputs = [hidden, mx.array(tokens, dtype=mx.int32), meta, self.fparams, self.inv_freq, keys, values]
         inputs += self.weights
         shapes = [(k,), (c["kv_heads"], m, c["head_dim"]), (c["kv_heads"], m, c["head_dim"]),
-                  (work_floats(c, pmax),)]
+                  (self.fixed_work + c["heads"] * pmax,)]
         dtypes = [mx.int32, cache_dtype, cache_dtype, mx.float32]
         return inputs, self.template(hidden.dtype, cache_dtype), shapes, dtypes
 
@@ -633,7 +628,7 @@ def chain_kernel(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> ChainKe
     if found is None:
         return None
     weights, config = found
-    return ChainKernel(weights, config, weights[0].dtype)
+    return ChainKernel(weights, config)
 
 
 class KernelDrafter(MTPDrafter):
@@ -645,9 +640,11 @@ class KernelDrafter(MTPDrafter):
     the MLX drafter's, so the two can take turns on one state.
     """
 
-    def __init__(self, head: MTPHead, embed: nn.Module, lm_head, kernel, prefill_step_size: int = 2048,
-                 compiled: bool = False):
-        super().__init__(head, embed, lm_head, prefill_step_size, compiled=compiled)
+    def __init__(self, head: MTPHead, embed: nn.Module, lm_head, kernel, prefill_step_size: int = 2048):
+        # Not compiled: here the MLX head only consumes the pairs of a prompt
+        # ahead of its last when there are more than 16, once per generation;
+        # a second `CompiledHead` would trace each such width for one use.
+        super().__init__(head, embed, lm_head, prefill_step_size)
         self.kernel = kernel
 
     def draft(self, state: MTPDraftState, k: int) -> mx.array:
@@ -657,9 +654,7 @@ class KernelDrafter(MTPDrafter):
             raise ValueError(f"a chain draft needs k >= 1 tokens, got {k}")
         if k > MAX_DRAFTS:
             return super().draft(state, k)
-        hidden, tokens = state.pending_hidden, state.pending_tokens
-        if hidden is None or not tokens:
-            raise RuntimeError("draft needs pending pairs (set_pending/commit)")
+        hidden, tokens = self.pending(state)
         if len(tokens) > MAX_PENDING:
             # A prompt's pairs: all but the last through the MLX head (chunked).
             self.set_pending(state, hidden[:, :-1], tokens[:-1])

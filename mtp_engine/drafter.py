@@ -132,11 +132,17 @@ class MTPDrafter:
         """Consume the pending pairs; return logits and hidden of the last one."""
         return self._forward_pending(state)[:2]
 
+    @staticmethod
+    def pending(state: MTPDraftState) -> tuple[mx.array, list[int]]:
+        """The pending pairs' hiddens and tokens; a RuntimeError when none
+        are queued."""
+        if state.pending_hidden is None or not state.pending_tokens:
+            raise RuntimeError("drafting needs pending pairs (set_pending/commit)")
+        return state.pending_hidden, state.pending_tokens
+
     def _forward_pending(self, state: MTPDraftState):
         """`first_step` with the greedy token as a third, lazy output."""
-        hidden, tokens = state.pending_hidden, state.pending_tokens
-        if hidden is None or not tokens:
-            raise RuntimeError("first_step needs pending pairs (set_pending/commit)")
+        hidden, tokens = self.pending(state)
         ids = mx.array(tokens)[None]
         total = len(tokens)
         start = 0

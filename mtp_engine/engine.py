@@ -156,8 +156,7 @@ class MTPEngine:
         # On CUDA, chain drafts run as one kernel launch where it serves the head.
         kernel = chain_kernel(checkpoint.head, trunk.embed_tokens, lm_head) if draft_kernel is not False else None
         self.kernel_drafter = (
-            KernelDrafter(checkpoint.head, trunk.embed_tokens, self.lm_head, kernel, prefill_step_size,
-                          compiled=compile_head)
+            KernelDrafter(checkpoint.head, trunk.embed_tokens, self.lm_head, kernel, prefill_step_size)
             if kernel is not None
             else None
         )

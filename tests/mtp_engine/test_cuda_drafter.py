@@ -56,12 +56,13 @@ class EmulatedKernel(cuda_drafter.ChainKernel):
 def make_kernel(engine, cls=None):
     head, embed = engine.checkpoint.head, engine.model.model.embed_tokens
     lm_head = embed if engine.model.args.tie_word_embeddings else engine.model.lm_head
+    if cls is None:
+        kernel = cuda_drafter.chain_kernel(head, embed, lm_head)
+        assert kernel is not None, "the kernel should serve the tiny heads on CUDA"
+        return kernel
     found = cuda_drafter.kernel_weights(head, embed, lm_head)
     assert found is not None, "the kernel should serve the tiny heads"
-    weights, config = found
-    if cls is None:
-        return cuda_drafter.chain_kernel(head, embed, lm_head)
-    return cls(weights, config, weights[0].dtype)
+    return cls(*found)
 
 
 def reference_chain(engine, ids, pending, k):
