@@ -4,3 +4,5 @@ Entry point: ``python -m jobs generate --dataset PATH --model DIR --output DIR``
 (``make generate DATASET=...``). The runner knows nothing about caches or
 drafts; it drives `mtp_engine.MTPEngine`.
 """
+
+import mtp_engine  # noqa: F401  (first: it routes MLX's CPU matmuls before anything loads MLX)

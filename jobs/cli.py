@@ -11,7 +11,15 @@ import sys
 from pathlib import Path
 
 from jobs.config import JOB_MODES, ConfigError, JobConfig, read_config_file
-from mtp_engine.backend import prefer_mlx_attention
+from jobs.distributed import run_distributed_or_local
+from jobs.lock import FolderInUse
+from jobs.merge import merge_outputs
+from jobs.output import OutputError
+from jobs.readers import DatasetError
+from jobs.repair import repair_folder
+from jobs.runner import resume_hint
+from jobs.status import print_status
+from mtp_engine import CheckpointError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 
@@ -52,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--id-field", help="field holding the row id; rows without it use their row number (default: id)")
     g.add_argument("--system-prompt", help="system message prepended to chat rows that have none")
     g.add_argument("--limit", type=int, help="only the first N rows of the dataset")
+    g.add_argument("--fast-path", dest="fast_paths", action="append", metavar="NAME=VALUE",
+                   help="set one engine fast path (repeatable), e.g. cpp_drafter=off, few_rows=16, "
+                   "compile_layers=auto; names in docs/BACKENDS.md. They change speed, never output")
     g.add_argument(
         "--overwrite",
         action="store_true",
@@ -60,8 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
         "template or decoding parameters changed)",
     )
 
-    s = sub.add_parser("status", help="summarise a job's output folder")
+    g.add_argument("--allow-dataset-change", action="store_true", default=None,
+                   help="resume a folder written from another dataset, adding this dataset's rows to it")
+
+    s = sub.add_parser("status", help="summarise a job's output folder and check that it is intact")
     s.add_argument("output", help="output folder of a job")
+    s.add_argument("--verify", action="store_true", help="check every shard's CRC-32 too (sizes are always checked)")
+
+    r = sub.add_parser("repair", help="rebuild a job folder's ledgers from its shards",
+                       description="Rebuild every ledger of a job folder from its shards (for a ledger damaged "
+                       "in the middle); unreadable shards go to quarantine/. Resume the job afterwards.")
+    r.add_argument("output", help="output folder of a job")
 
     m = sub.add_parser(
         "merge",
@@ -81,16 +101,13 @@ def config_from_args(args: argparse.Namespace) -> JobConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    prefer_mlx_attention()
     if args.command == "generate":
         return _generate(args)
     if args.command == "status":
-        from jobs.status import print_status
-
-        return print_status(Path(args.output))
+        return print_status(Path(args.output), verify=args.verify)
+    if args.command == "repair":
+        return repair_folder(Path(args.output))
     if args.command == "merge":
-        from jobs.merge import merge_outputs
-
         return merge_outputs([Path(p) for p in args.inputs], Path(args.output))
     return EXIT_USAGE
 
@@ -101,17 +118,14 @@ def _generate(args) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    from jobs.distributed import run_distributed_or_local
-    from jobs.output import OutputError
-    from jobs.readers import DatasetError
-    from mtp_engine import CheckpointError
-
     try:
         summary = run_distributed_or_local(config)
-    except (FileNotFoundError, CheckpointError, DatasetError, OutputError, ConfigError) as e:
+    except (FileNotFoundError, CheckpointError, DatasetError, OutputError, ConfigError, FolderInUse) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
-    from jobs.runner import resume_hint
+    except OSError as e:  # reading the model or dataset
+        print(f"error: {e.strerror or e} ({e.filename})" if e.filename else f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
 
     rate = f", {summary.tokens / summary.elapsed_s:.1f} tok/s" if summary.elapsed_s > 0 else ""
     print(

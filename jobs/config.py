@@ -9,24 +9,13 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from mtp_engine.modes import MODES
+from mtp_engine.options import EngineOptions
 from schemas.arrow import SCHEMA_VERSION
 
 JOB_MODES = MODES + ("batch", "auto")
 
-# What "auto" (the default) becomes on each MLX backend, from `make bench` on
-# the shipped model (README, Benchmarks).
-# - The 2-core CPU: speculation. Since the MTP drafts run in C++ (and verify
-#   forwards' small matmuls in the few-row kernel), chain K=4 moves 530-555
-#   tok/s through the benchmark prompts against 480-518 for continuous
-#   batching at B=16-32 and 285-330 for plain decoding (three runs on
-#   2026-11-30), and `make generate` on examples/small.jsonl 698-712 against
-#   591-652. Before that, batching won (504 against 407 tok/s).
-# - An H200 (CUDA): batching, 455 / 1001 tok/s at B=16 / 32 against 214-256
-#   for plain decoding and 369-442 for the best speculative mode (chain K=4
-#   or adaptive K=5 with the distilled head; batch mode last measured before
-#   the CUDA recurrence kernel, which batch mode does not use). The issue's
-#   anchor for the 80B-A3B shapes on the H200 points the same way
-#   (BatchGenerator 206 tok/s at B=16, 18.8 for one sequence).
+# What "auto" (the default) becomes on each MLX backend: the mode that moved
+# the most tokens per second over a dataset in the benchmark (docs/BENCHMARKS.md).
 AUTO_MODE = {"cpu": "chain", "gpu": "batch"}
 
 
@@ -58,7 +47,12 @@ class JobConfig:
         id_field: Field holding the row id (else the row number is used).
         system_prompt: System message prepended to chat rows without one.
         overwrite: Delete an existing output folder's results and start over.
+        allow_dataset_change: Resume a folder written from another dataset
+            (its rows are kept; the new dataset's rows are added).
         limit: Process only the first ``limit`` rows of the dataset.
+        fast_paths: Engine fast-path switches, ``(name, value)`` pairs of
+            `EngineOptions` fields over its environment defaults (speed
+            only: not part of the job's fingerprint).
     """
 
     dataset: str
@@ -78,7 +72,9 @@ class JobConfig:
     id_field: str = "id"
     system_prompt: str | None = None
     overwrite: bool = False
+    allow_dataset_change: bool = False
     limit: int | None = None
+    fast_paths: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self):
         for name in ("dataset", "model", "output", "prompt_field", "messages_field", "id_field"):
@@ -105,6 +101,14 @@ class JobConfig:
         object.__setattr__(self, "stop", tuple(self.stop))
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ConfigError(f"system_prompt must be a string, got {self.system_prompt!r}")
+        object.__setattr__(self, "fast_paths", _fast_path_pairs(self.fast_paths))
+
+    def engine_options(self) -> EngineOptions:
+        """The engine's fast-path switches: environment defaults, then ours."""
+        try:
+            return EngineOptions.from_env(**dict(self.fast_paths))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     @classmethod
     def from_sources(cls, file_values: dict, flag_values: dict) -> "JobConfig":
@@ -161,7 +165,26 @@ class JobConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["stop"] = list(self.stop)
+        d["fast_paths"] = dict(self.fast_paths)
         return d
+
+
+def _fast_path_pairs(value) -> tuple[tuple[str, object], ...]:
+    """``fast_paths`` as validated pairs: from CLI strings ``NAME=VALUE``, a
+    mapping (config file) or pairs."""
+    if isinstance(value, dict):
+        value = list(value.items())
+    pairs = []
+    for item in value or ():
+        try:
+            name, v = EngineOptions.parse_switch(item) if isinstance(item, str) else tuple(item)
+            if isinstance(v, str):
+                name, v = EngineOptions.parse_switch(f"{name}={v}")
+            EngineOptions().with_switches(**{name: v})
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"fast path {item!r}: {e}") from None
+        pairs.append((name, v))
+    return tuple(pairs)
 
 
 def _positive_int(name: str, value, most: int | None = None) -> None:

@@ -1,46 +1,65 @@
-"""The output folder: Arrow shards, ledgers, manifest, and the files that
-make it a ``datasets.load_from_disk`` folder at every moment.
+"""The output folder: Arrow shards, ledgers, manifest, lock, and the files
+that make it a ``datasets.load_from_disk`` folder at every moment.
 
-Commit order for one shard, each step durable before the next:
-1. write ``.tmp-<shard>``, fsync, rename to ``<shard>``, fsync the folder;
-2. append one line to this writer's ledger (``ledger-<writer>.jsonl``), fsync;
-3. rewrite ``state.json``/``dataset_info.json`` and the manifest atomically.
+Opening a folder (`OutputFolder.open`):
 
-So ``state.json`` lists only shards in a ledger, and a ledger only shards on
-disk. A crash between 1 and 2 leaves an orphan shard, deleted on resume (its
-rows were never marked done and are redone). A torn last ledger line is
-dropped. Resume keys on row ids recorded in the ledgers, never on positions.
+1. take the folder's lock (`jobs.lock`): one job at a time;
+2. write the manifest first, atomically, so any later kill leaves a folder
+   the same command resumes; check the fingerprint and dataset identity of
+   a folder that has one;
+3. repair the ledgers (`jobs.ledger`): cut torn or garbage tails; refuse a
+   ledger damaged in the middle (``python -m jobs repair`` rebuilds it);
+4. remove leftovers of an interrupted commit (temporary files, shards no
+   ledger lists);
+5. verify every listed shard (size and CRC-32): a missing, truncated or
+   changed shard is moved to ``quarantine/``, its entry struck, its rows
+   redone.
+
+Committing a shard (`OutputFolder.commit`), each step durable before the
+next: write ``.tmp-<shard>`` and fsync; rename it to ``<shard>`` and fsync
+the folder; append its ledger line (size, CRC-32, ids) and fsync; rewrite
+``state.json``, ``dataset_info.json`` and the manifest atomically. So
+``state.json`` lists only shards in a ledger, and a ledger only shards on
+disk. Resume keys on row ids recorded in the ledgers, never on positions.
+
+Transient file-system errors (a full disk being cleared, an NFS hiccup) are
+retried a few times with bounded backoff; permanent ones (read-only, no
+permission, not a directory) are not. A failed ledger append is rolled back
+before any retry.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
-import signal
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
 import pyarrow as pa
-from tenacity import retry, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
+from jobs.config import describe_changes
+from jobs.ledger import Ledger, LedgerEntry, LedgerState, Totals, fsync_dir
+from jobs.lock import FolderLock
 from schemas.arrow import COMPLETION_SCHEMA, dataset_features_dict, rows_to_batch
 
 MANIFEST = "manifest.json"
 EMPTY_SHARD = "data-empty.arrow"
-_SHARD = re.compile(r"^data-(?P<writer>r\d{3})-(?P<seq>\d{5})\.arrow$")
-_LEDGER = re.compile(r"^ledger-(?P<writer>r\d{3})\.jsonl$")
+QUARANTINE = "quarantine"
+VIEWS = (MANIFEST, "state.json", "dataset_info.json")
+SHARD_PATTERN = re.compile(r"^data-(?P<writer>r\d{3})-(?P<seq>\d{5})\.arrow$")
+LEDGER_PATTERN = re.compile(r"^ledger-(?P<writer>r\d{3})\.jsonl$")
+OWN_FILES = (*VIEWS, EMPTY_SHARD, ".lock", ".views.lock", QUARANTINE)
+"""Names a job writes besides shards and ledgers (a folder holding only
+these and no manifest is an interrupted first run)."""
 
-# Transient file-system errors (NFS hiccups, a full disk being cleared) get a
-# few tries with bounded backoff before the job gives up.
-_retry_io = retry(
-    retry=retry_if_exception_type(OSError),
-    stop=stop_after_attempt(5),
-    wait=wait_exponential(multiplier=0.2, max=5.0),
-    reraise=True,
-)
+TRANSIENT = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EAGAIN, errno.EINTR, errno.ESTALE, errno.EBUSY,
+             errno.ETIMEDOUT}
 
 
 class OutputError(RuntimeError):
@@ -51,6 +70,22 @@ class FingerprintMismatch(OutputError):
     """The folder holds results of a differently configured job."""
 
 
+class DatasetChanged(OutputError):
+    """The folder was written from another dataset."""
+
+
+def _transient(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in TRANSIENT
+
+
+_retry_io = retry(
+    retry=retry_if_exception(_transient),
+    stop=stop_after_attempt(5),
+    wait=wait_exponential(multiplier=0.2, max=5.0),
+    reraise=True,
+)
+
+
 def writer_name(rank: int) -> str:
     return f"r{rank:03d}"
 
@@ -59,172 +94,113 @@ def shard_name(writer: str, seq: int) -> str:
     return f"data-{writer}-{seq:05d}.arrow"
 
 
-def _crash_point(stage: str) -> None:
-    """Fault injection for the crash tests: ``MTP_JOBS_CRASH_AT=stage:n``
-    kills the process with SIGKILL the n-th time ``stage`` is reached."""
-    spec = os.environ.get("MTP_JOBS_CRASH_AT")
-    if not spec:
-        return
-    want, _, count = spec.partition(":")
-    if want != stage:
-        return
-    _crash_counts[stage] = _crash_counts.get(stage, 0) + 1
-    if _crash_counts[stage] >= int(count or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+def ledger_path(folder: Path, writer: str) -> Path:
+    return folder / f"ledger-{writer}.jsonl"
 
 
-_crash_counts: dict[str, int] = {}
+def ledgers(folder: Path) -> list[Ledger]:
+    return [Ledger(p) for p in sorted(folder.glob("ledger-*.jsonl")) if LEDGER_PATTERN.match(p.name)]
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def read_all_ledgers(folder: Path) -> list[LedgerEntry]:
+    """Every valid entry of every ledger (a torn tail is ignored, not cut).
+
+    Raises:
+        OutputError: A ledger is damaged in the middle.
+    """
+    entries = []
+    for ledger in ledgers(folder):
+        state = ledger.read()
+        if state.corrupt_line is not None:
+            raise OutputError(corrupt_ledger_message(ledger, state))
+        entries += state.entries
+    return entries
+
+
+def corrupt_ledger_message(ledger: Ledger, state: LedgerState) -> str:
+    return (f"{ledger.path} is corrupt at line {state.corrupt_line} ({state.problem}); "
+            f"rebuild it from the shards with `python -m jobs repair {ledger.path.parent}`")
+
+
+def serialize_shard(rows: list[dict]) -> bytes:
+    """Rows as one Arrow IPC stream (always one batch, even empty: datasets
+    cannot cast a chunkless table)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, COMPLETION_SCHEMA) as writer:
+        writer.write_batch(rows_to_batch(rows))
+    return sink.getvalue().to_pybytes()
 
 
 @_retry_io
 def write_atomic(path: Path, data: bytes) -> None:
     """Write a small file so readers see the old or the new content, never a mix."""
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 
 @_retry_io
-def write_shard_file(path: Path, rows: list[dict]) -> None:
-    """Write rows as one Arrow IPC stream file: temp name, fsync, rename."""
+def write_tmp_shard(path: Path, data: bytes) -> Path:
+    """Write a shard's bytes to its temporary name, fsynced; returns that path."""
     tmp = path.with_name(f".tmp-{path.name}")
     with open(tmp, "wb") as f:
-        with pa.ipc.new_stream(f, COMPLETION_SCHEMA) as writer:
-            # Always one batch, even empty: datasets cannot cast a chunkless table.
-            writer.write_batch(rows_to_batch(rows))
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    _crash_point("shard_tmp_written")
+    return tmp
+
+
+@_retry_io
+def publish_shard(tmp: Path, path: Path) -> None:
+    """Rename a written shard into place and make the rename durable."""
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
 
-@dataclass
-class LedgerEntry:
-    shard: str
-    writer: str
-    ids: list[str]
-    rows: int
-    errors: int
-    completion_tokens: int
-    decode_s: float
-    wall_s: float
-    steps: int
-    accepted: int
-    committed_at: float
-
-    @classmethod
-    def from_rows(cls, shard: str, writer: str, rows: list[dict], wall_s: float) -> "LedgerEntry":
-        ok = [r for r in rows if r["finish_reason"] != "error"]
-        acc = [r["acceptance"] for r in ok if r["acceptance"] and r["acceptance"].get("steps") is not None]
-        return cls(
-            shard=shard,
-            writer=writer,
-            ids=[r["id"] for r in rows],
-            rows=len(rows),
-            errors=len(rows) - len(ok),
-            completion_tokens=sum(r["completion_tokens"] for r in ok),
-            decode_s=sum((r["acceptance"] or {}).get("decode_s") or 0.0 for r in ok),
-            wall_s=wall_s,
-            steps=sum(a["steps"] for a in acc),
-            accepted=sum(a["accepted"] for a in acc),
-            committed_at=time.time(),
-        )
+def file_digest(path: Path) -> tuple[int, int]:
+    """A file's size and CRC-32."""
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return size, crc
 
 
-@dataclass
-class Totals:
-    rows: int = 0
-    errors: int = 0
-    completion_tokens: int = 0
-    decode_s: float = 0.0
-    wall_s: float = 0.0
-    steps: int = 0
-    accepted: int = 0
-    shards: int = 0
-    # (start, end) of each shard's making, to count time once where ranks
-    # (or writers) worked at the same moment.
-    spans: list[tuple[float, float]] = field(default_factory=list)
-
-    def add(self, e: LedgerEntry) -> None:
-        self.rows += e.rows
-        self.errors += e.errors
-        self.completion_tokens += e.completion_tokens
-        self.decode_s += e.decode_s
-        self.wall_s += e.wall_s
-        self.steps += e.steps
-        self.accepted += e.accepted
-        self.shards += 1
-        self.spans.append((e.committed_at - e.wall_s, e.committed_at))
-
-    @property
-    def elapsed_s(self) -> float:
-        """Seconds during which at least one writer was making a shard."""
-        total, end = 0.0, float("-inf")
-        for a, b in sorted(self.spans):
-            if b > end:
-                total += b - max(a, end)
-                end = b
-        return total
-
-    @property
-    def acceptance_length(self) -> float | None:
-        return (self.accepted + self.steps) / self.steps if self.steps else None
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        elapsed = self.elapsed_s
-        return self.completion_tokens / elapsed if elapsed > 0 else None
-
-    def to_dict(self) -> dict:
-        return {
-            "rows": self.rows,
-            "errors": self.errors,
-            "completion_tokens": self.completion_tokens,
-            "decode_s": round(self.decode_s, 3),
-            "wall_s": round(self.wall_s, 3),
-            "elapsed_s": round(self.elapsed_s, 3),
-            "tokens_per_s": self.tokens_per_s,
-            "acceptance_length": self.acceptance_length,
-            "shards": self.shards,
-        }
-
-
-def read_ledger(path: Path) -> list[LedgerEntry]:
-    """Entries of one ledger; a torn (unparsable) last line is ignored."""
-    if not path.exists():
-        return []
-    lines = path.read_bytes().split(b"\n")
-    entries = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            entries.append(LedgerEntry(**orjson.loads(line)))
-        except (orjson.JSONDecodeError, TypeError):
-            if i < len(lines) - 1 and any(l.strip() for l in lines[i + 1 :]):
-                raise OutputError(f"{path} is corrupt at line {i + 1}") from None
-    return entries
-
-
-def read_all_ledgers(folder: Path) -> list[LedgerEntry]:
-    entries = []
-    for p in sorted(folder.glob("ledger-*.jsonl")):
-        if _LEDGER.match(p.name):
-            entries += read_ledger(p)
-    return entries
+def check_shard(folder: Path, entry: LedgerEntry, checksum: bool) -> str | None:
+    """Why a listed shard is not the one its ledger recorded (None when it
+    is): missing, another size, another CRC-32 (with ``checksum``), or, for
+    entries of older ledgers without a checksum, unreadable or holding
+    other ids."""
+    path = folder / entry.shard
+    if not SHARD_PATTERN.match(entry.shard) or path.resolve().parent != folder.resolve():
+        return f"its name {entry.shard!r} is not a shard of this folder"
+    if not path.is_file():
+        return "it is missing"
+    size = path.stat().st_size
+    if entry.bytes is not None and size != entry.bytes:
+        return f"it is {size} bytes, the ledger recorded {entry.bytes}"
+    if entry.crc32 is not None:
+        if checksum:
+            _, crc = file_digest(path)
+            if crc != entry.crc32:
+                return f"its CRC-32 is {crc:08x}, the ledger recorded {entry.crc32:08x}"
+        return None
+    try:
+        ids = pa.ipc.open_stream(str(path)).read_all().column("id").to_pylist()
+    except (pa.ArrowInvalid, OSError, KeyError) as e:
+        return f"it cannot be read ({e})"
+    if ids != entry.ids:
+        return "it holds other rows than its ledger lists"
+    return None
 
 
 @dataclass
@@ -235,82 +211,219 @@ class OutputFolder:
         path: The folder.
         writer: This writer's name (``r000`` for a single process; one per
             rank under mlx.launch), part of its shard and ledger names.
+        log: Where repairs are reported (one line each).
     """
 
     path: Path
     writer: str = "r000"
+    log: object = print
     done_ids: set[str] = field(default_factory=set)
     totals: Totals = field(default_factory=Totals)
     _seq: int = 0
     _manifest: dict = field(default_factory=dict)
+    _lock: FolderLock | None = None
 
     @property
-    def ledger_path(self) -> Path:
-        return self.path / f"ledger-{self.writer}.jsonl"
+    def ledger(self) -> Ledger:
+        return Ledger(ledger_path(self.path, self.writer))
 
-    def open(self, manifest: dict, *, overwrite: bool) -> None:
-        """Create or resume the folder for a job with this manifest.
+    # -- opening -----------------------------------------------------------
+
+    def open(self, manifest: dict, *, overwrite: bool, token: str = "", allow_dataset_change: bool = False) -> None:
+        """Lock, create or resume, repair and verify the folder for a job
+        with this manifest (rank 0, or the only process).
 
         Raises:
+            FolderInUse: Another job holds the folder.
             FingerprintMismatch: The folder holds another configuration's
                 results and ``overwrite`` is False.
-            OutputError: The folder exists, is not empty and is not a job folder.
+            DatasetChanged: It was written from another dataset and
+                ``allow_dataset_change`` is False.
+            OutputError: The folder is not a job folder, or a ledger is
+                damaged in the middle.
+            OSError: The file system refused (the caller names it).
         """
-        self.path.mkdir(parents=True, exist_ok=True)
-        existing = self.path / MANIFEST
-        if existing.exists():
-            old = orjson.loads(existing.read_bytes())
-            if old.get("fingerprint") != manifest["fingerprint"]:
-                if not overwrite:
-                    from jobs.config import describe_changes
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:
+            raise OutputError(f"--output {self.path} exists and is not a folder") from None
+        self._lock = FolderLock(self.path)
+        self._lock.acquire(token)
+        try:
+            old = self._existing_manifest(manifest, overwrite)
+            self._manifest = {**manifest, "created_at": old.get("created_at", time.time())}
+            self._check_dataset(old, manifest, allow_dataset_change)
+            write_atomic(self.path / MANIFEST, orjson.dumps(self._manifest, option=orjson.OPT_INDENT_2))
+            self._repair_ledgers()
+            self._remove_leftovers()
+            self._verify_shards(checksum=True)
+            self._start()
+        except BaseException:
+            self.close()
+            raise
 
-                    changes = describe_changes(old.get("fingerprint_parts", {}), manifest["fingerprint_parts"])
-                    raise FingerprintMismatch(
-                        f"{self.path} holds results of a different job configuration:\n  "
-                        + "\n  ".join(changes or ["(fingerprint differs)"])
-                        + "\nTo resume it, rerun with the settings it was written with (the values "
-                        "left of each arrow); or rerun with --overwrite to delete those results "
-                        "and start over, or write to another --output."
-                    )
+    def join(self, manifest: dict, token: str) -> None:
+        """Join a folder that rank 0 of the same job opened (other ranks)."""
+        self._lock = FolderLock(self.path)
+        self._lock.check_shared(token)
+        self._lock = None  # rank 0 holds it
+        self._manifest = orjson.loads((self.path / MANIFEST).read_bytes())
+        if self._manifest.get("fingerprint") != manifest["fingerprint"]:
+            raise FingerprintMismatch(f"{self.path} was opened by rank 0 for another job configuration")
+        self._start()
+
+    def close(self) -> None:
+        """Release the folder's lock (the OS does it too when the process dies)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _existing_manifest(self, manifest: dict, overwrite: bool) -> dict:
+        """The manifest of the results in the folder ({} for a new folder),
+        after the fingerprint check; deletes the results for ``overwrite``."""
+        path = self.path / MANIFEST
+        if not path.exists():
+            foreign = [p.name for p in self.path.iterdir()
+                       if not p.name.startswith(".") and p.name not in OWN_FILES
+                       and not SHARD_PATTERN.match(p.name) and not LEDGER_PATTERN.match(p.name)]
+            if foreign and not overwrite:
+                raise OutputError(f"output folder {self.path} is not empty ({foreign[0]}, ...) and holds no "
+                                  f"{MANIFEST}; choose an empty or new folder")
+            if overwrite or foreign:
                 self._delete_results()
-            elif overwrite:
+            return {}
+        try:
+            old = orjson.loads(path.read_bytes())
+            if not isinstance(old, dict) or "fingerprint" not in old:
+                raise ValueError("no fingerprint")
+        except ValueError as e:  # orjson.JSONDecodeError is one
+            if overwrite:
                 self._delete_results()
-        elif any(p for p in self.path.iterdir() if not p.name.startswith(".")):
-            if not overwrite:
-                raise OutputError(
-                    f"output folder {self.path} exists, is not empty and holds no {MANIFEST}; "
-                    "choose an empty or new folder"
-                )
+                return {}
+            return self._rebuilt_manifest(manifest, e)
+        if old["fingerprint"] != manifest["fingerprint"]:
+            if overwrite:
+                self._delete_results()
+                return {}
+            changes = describe_changes(old.get("fingerprint_parts", {}), manifest["fingerprint_parts"])
+            raise FingerprintMismatch(
+                f"{self.path} holds results of a different job configuration:\n  "
+                + "\n  ".join(changes or ["(fingerprint differs)"])
+                + "\nTo resume it, rerun with the settings it was written with (the values "
+                "left of each arrow); or rerun with --overwrite to delete those results "
+                "and start over, or write to another --output."
+            )
+        if overwrite:
             self._delete_results()
-        self._recover()
-        entries = read_all_ledgers(self.path)
-        own = [e for e in entries if e.writer == self.writer]
-        self._seq = 1 + max((int(_SHARD.match(e.shard)["seq"]) for e in own), default=-1)
-        old_manifest = orjson.loads(existing.read_bytes()) if existing.exists() else {}
-        self._manifest = {**manifest, "created_at": old_manifest.get("created_at", time.time())}
+            return {}
+        return old
+
+    def _rebuilt_manifest(self, manifest: dict, why: Exception) -> dict:
+        """A corrupt manifest: rebuilt when every ledger entry carries this
+        job's fingerprint, else refused."""
+        prints = {e.fingerprint for e in read_all_ledgers(self.path)}
+        if prints <= {manifest["fingerprint"]}:
+            self.log(f"repair: {MANIFEST} was corrupt ({why}); rebuilt it for this job "
+                     f"({'its ledgers carry this job fingerprint' if prints else 'no rows were committed'})")
+            return {}
+        raise OutputError(
+            f"{self.path / MANIFEST} is corrupt ({why}) and the folder's ledgers were written by another "
+            f"job configuration (fingerprint {', '.join(sorted(map(str, prints)))}, this job "
+            f"{manifest['fingerprint']}); rerun with the settings it was written with, or --overwrite"
+        )
+
+    def _check_dataset(self, old: dict, manifest: dict, allow_change: bool) -> None:
+        before, now = old.get("dataset", {}).get("identity"), manifest.get("dataset", {}).get("identity")
+        if not before or not now or before["files"] == now["files"]:
+            return
+        if not allow_change:
+            raise DatasetChanged(
+                f"{self.path} was written from the dataset {_describe(before)}; this run reads "
+                f"{_describe(now)}. Rerun with the dataset it was written from, or pass "
+                "--allow-dataset-change to add this dataset's rows to it on purpose"
+            )
+        history = old.get("dataset", {}).get("history", []) + [before]
+        self._manifest["dataset"] = {**manifest["dataset"], "history": history}
+        self.log(f"dataset changed on purpose: {_describe(before)} -> {_describe(now)}")
+
+    def _repair_ledgers(self) -> None:
+        for ledger in ledgers(self.path):
+            state = ledger.read()
+            if state.corrupt_line is not None:
+                raise OutputError(corrupt_ledger_message(ledger, state))
+            if cut := ledger.cut_tail(state):
+                self.log(f"repair: cut {cut} bytes after the last complete line of {ledger.path.name} "
+                         "(an interrupted or damaged write)")
+
+    def _remove_leftovers(self) -> None:
+        """Temporary files and shards no ledger lists (a commit interrupted
+        between rename and ledger line; their rows were never done)."""
+        for p in self.path.glob(".tmp-*"):
+            p.unlink(missing_ok=True)
+        listed = {e.shard for e in read_all_ledgers(self.path)}
+        for p in self.path.glob("data-r*.arrow"):
+            if SHARD_PATTERN.match(p.name) and p.name not in listed:
+                p.unlink()
+
+    def _verify_shards(self, checksum: bool) -> None:
+        """Quarantine listed shards that are not what their ledger recorded,
+        and shards repeating ids of earlier ones; strike their entries."""
+        seen: set[str] = set()
+        for ledger in ledgers(self.path):
+            entries = ledger.read().entries
+            keep, changed = [], False
+            for e in entries:
+                problem = check_shard(self.path, e, checksum)
+                if problem is None and seen & set(e.ids):
+                    problem = "it repeats ids of an earlier shard"
+                if problem is not None:
+                    self._quarantine(e, problem)
+                    changed = True
+                    continue
+                if e.crc32 is None:  # an older ledger: record what was verified
+                    e.bytes, e.crc32 = file_digest(self.path / e.shard)
+                    changed = True
+                seen.update(e.ids)
+                keep.append(e)
+            if changed:
+                ledger.rewrite(keep)
+
+    def _quarantine(self, entry: LedgerEntry, problem: str) -> None:
+        path = self.path / entry.shard
+        moved = ""
+        if SHARD_PATTERN.match(entry.shard) and path.exists():
+            target = self.path / QUARANTINE / f"{entry.shard}.{int(time.time())}"
+            target.parent.mkdir(exist_ok=True)
+            os.replace(path, target)
+            fsync_dir(self.path)
+            moved = f"; moved to {target.relative_to(self.path)}"
+        self.log(f"repair: shard {entry.shard} failed its check ({problem}){moved}; "
+                 f"its {entry.rows} rows will be redone")
+
+    def _start(self) -> None:
+        own = [e for e in self.ledger.read().entries]
+        self._seq = 1 + max((int(SHARD_PATTERN.match(e.shard)["seq"]) for e in own), default=-1)
         if not (self.path / EMPTY_SHARD).exists():
-            write_shard_file(self.path / EMPTY_SHARD, [])
+            publish_shard(write_tmp_shard(self.path / EMPTY_SHARD, serialize_shard([])), self.path / EMPTY_SHARD)
         self.refresh_views()
+
+    # -- committing --------------------------------------------------------
 
     def commit(self, rows: list[dict], wall_s: float) -> str:
         """Durably add rows as one shard; returns its name."""
         name = shard_name(self.writer, self._seq)
-        write_shard_file(self.path / name, rows)
-        _crash_point("shard_renamed")
-        entry = LedgerEntry.from_rows(name, self.writer, rows, wall_s)
-        self._append_ledger(entry)
-        _crash_point("ledger_appended")
+        data = serialize_shard(rows)
+        publish_shard(write_tmp_shard(self.path / name, data), self.path / name)
+        entry = LedgerEntry.from_rows(name, self.writer, rows, wall_s, bytes=len(data),
+                                      crc32=zlib.crc32(data), fingerprint=self._manifest.get("fingerprint"))
+        self._append(entry)
         self._seq += 1
         self.refresh_views()
-        _crash_point("views_written")
         return name
 
     @_retry_io
-    def _append_ledger(self, entry: LedgerEntry) -> None:
-        with open(self.ledger_path, "ab") as f:
-            f.write(orjson.dumps(entry.__dict__) + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
+    def _append(self, entry: LedgerEntry) -> None:
+        self.ledger.append(entry)
 
     def refresh_views(self) -> None:
         """state.json, dataset_info.json and the manifest, from all ledgers
@@ -326,8 +439,7 @@ class OutputFolder:
 
     def _write_views(self) -> None:
         entries = read_all_ledgers(self.path)
-        for e in entries:
-            self.done_ids.update(e.ids)
+        self.done_ids = {rid for e in entries for rid in e.ids}
         shards = [EMPTY_SHARD] + sorted(e.shard for e in entries)
         state = {
             "_data_files": [{"filename": s} for s in shards],
@@ -354,29 +466,19 @@ class OutputFolder:
         manifest = {**self._manifest, "updated_at": time.time(), "totals": totals.to_dict()}
         write_atomic(self.path / MANIFEST, orjson.dumps(manifest, option=orjson.OPT_INDENT_2))
 
-    def _recover(self) -> None:
-        """Drop this writer's leftovers of an interrupted commit."""
-        views = (MANIFEST, "state.json", "dataset_info.json")
-        for p in self.path.glob(".tmp-*"):
-            if p.name.startswith(f".tmp-data-{self.writer}-") or p.name[5:].startswith(views):
-                p.unlink(missing_ok=True)
-        ledger = self.ledger_path
-        if ledger.exists():
-            data = ledger.read_bytes()
-            if data and not data.endswith(b"\n"):
-                # A torn last line: the shard it named is an orphan.
-                ledger.write_bytes(data[: data.rfind(b"\n") + 1])
-        listed = {e.shard for e in read_ledger(ledger)}
-        for p in self.path.glob(f"data-{self.writer}-*.arrow"):
-            if p.name not in listed:
-                p.unlink()
-
     def _delete_results(self) -> None:
         for p in list(self.path.iterdir()):
             if (
-                _SHARD.match(p.name)
-                or _LEDGER.match(p.name)
-                or p.name in (MANIFEST, "state.json", "dataset_info.json", EMPTY_SHARD)
+                SHARD_PATTERN.match(p.name)
+                or LEDGER_PATTERN.match(p.name)
+                or p.name in (*VIEWS, EMPTY_SHARD)
                 or p.name.startswith(".tmp-")
             ):
                 p.unlink()
+
+
+def _describe(identity: dict) -> str:
+    files = identity.get("files", [])
+    first = files[0] if files else {}
+    more = f" and {len(files) - 1} more files" if len(files) > 1 else ""
+    return f"{identity.get('path')!r} ({first.get('bytes')} bytes, sha256 {first.get('sha256')}{more})"

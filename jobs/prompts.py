@@ -47,12 +47,15 @@ class Preparer:
         config: The job's configuration.
         tokenizer: mlx-lm ``TokenizerWrapper`` of the model.
         context_length: The model's context, in tokens.
+        reserved_ids: Every id the dataset gives itself; an id made for a
+            duplicate never takes one of them.
     """
 
-    def __init__(self, config: JobConfig, tokenizer, context_length: int):
+    def __init__(self, config: JobConfig, tokenizer, context_length: int, reserved_ids: set[str] = frozenset()):
         self.config = config
         self.tokenizer = tokenizer
         self.context_length = context_length
+        self.reserved = set(reserved_ids)
         self.seen: set[str] = set()
 
     def row_id(self, row: SourceRow) -> tuple[str, str | None]:
@@ -71,6 +74,10 @@ class Preparer:
         rid, problem = self.row_id(row)
         if problem is None and rid in self.seen:
             dup = f"{rid}#dup-row-{row.index}"
+            n = 1
+            while dup in self.reserved or dup in self.seen:  # an input id of that form exists
+                n += 1
+                dup = f"{rid}#dup-row-{row.index}-{n}"
             self.seen.add(dup)
             return dup, self._error(row, dup, "duplicate_id", f"id {rid!r} already used by an earlier row")
         self.seen.add(rid)

@@ -11,12 +11,16 @@ with an error instead of failing the file. The columnar formats go through
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import datasets
 import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 DATASETS_BUILDERS = {".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
@@ -46,18 +50,49 @@ class SourceRow:
 
 
 class PromptSource:
-    """An opened dataset: ``len()`` (when known) and iteration over rows."""
+    """An opened dataset: ``len()``, iteration over rows, and `identity`.
+
+    Attributes:
+        empty_reason: Why a dataset holds no rows (a header-only CSV, an
+            empty Parquet file or save_to_disk folder), else None.
+    """
 
     def __init__(self, path: str):
         self.path = path
         self.files, self.kind = _resolve(path)
         self._dataset = None
+        self.empty_reason: str | None = None
         if self.kind == "datasets":
-            self._dataset = _load_with_datasets(self.files)
+            self.empty_reason = _empty_columnar(self.files)
+            if self.empty_reason is None:
+                self._dataset = _load_with_datasets(self.files)
         elif self.kind == "disk":
-            self._dataset = _load_from_disk(self.files[0])
+            if _saved_without_data(self.files[0]):
+                self.empty_reason = f"the save_to_disk folder {path!r} has no rows"
+            else:
+                self._dataset = _load_from_disk(self.files[0])
+                if len(self._dataset) == 0:
+                    self.empty_reason = f"the save_to_disk folder {path!r} has no rows"
+        if self.empty_reason is None and len(self) == 0:
+            self.empty_reason = f"{path!r} has no rows"
+
+    def identity(self) -> dict:
+        """What identifies the dataset for resume: each file's resolved path,
+        size and a SHA-256 of its first and last MiB (the whole file when
+        it is under 2 MiB)."""
+        files = self.files
+        if self.kind == "disk":
+            folder = Path(self.files[0])
+            files = sorted(str(p) for p in folder.iterdir() if p.is_file() and not p.name.startswith("."))
+        return {
+            "path": self.path,
+            "files": [{"name": str(Path(f).resolve()), "bytes": os.path.getsize(f), "sha256": _head_tail_sha(f)}
+                      for f in files],
+        }
 
     def __len__(self) -> int:
+        if self.empty_reason is not None and self._dataset is None and self.kind in ("datasets", "disk"):
+            return 0
         if self._dataset is not None:
             return len(self._dataset)
         if self.kind == "json_array":
@@ -65,6 +100,8 @@ class PromptSource:
         return sum(_count_lines(f) for f in self.files)
 
     def __iter__(self) -> Iterator[SourceRow]:
+        if self.kind in ("datasets", "disk") and self._dataset is None:
+            return
         if self._dataset is not None:
             for i, row in enumerate(self._dataset):
                 yield SourceRow(index=i, data=dict(row))
@@ -163,9 +200,50 @@ def _iter_json_array(f: str):
             yield None, None, f"invalid_row: element {i} of {f} is a {type(data).__name__}, not an object"
 
 
-def _load_with_datasets(files: list[str]):
-    import datasets
+MIB = 1 << 20
 
+
+def _head_tail_sha(path: str) -> str:
+    size = os.path.getsize(path)
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= 2 * MIB:
+            h.update(f.read())
+        else:
+            h.update(f.read(MIB))
+            f.seek(size - MIB)
+            h.update(f.read(MIB))
+    return h.hexdigest()[:16]
+
+
+def _empty_columnar(files: list[str]) -> str | None:
+    """Why a CSV, Parquet or Arrow dataset holds no rows, or None when it
+    holds some (the datasets loader fails on empty files with its own,
+    unclear messages)."""
+    suffix = _suffix(files[0])
+    try:
+        if suffix == ".csv":
+            lines = [sum(1 for line in open(f, "rb") if line.strip()) for f in files]
+            if all(n <= 1 for n in lines):
+                return f"{files[0]!r} has a header but no rows" if any(lines) else f"{files[0]!r} is empty"
+        elif suffix == ".parquet":
+            if all(pq.ParquetFile(f).metadata.num_rows == 0 for f in files):
+                return f"the Parquet file {files[0]!r} has no rows"
+        elif suffix == ".arrow":
+            rows = 0
+            for f in files:
+                try:
+                    rows += pa.ipc.open_stream(f).read_all().num_rows
+                except pa.ArrowInvalid:
+                    rows += pa.ipc.open_file(f).read_all().num_rows
+            if rows == 0:
+                return f"the Arrow file {files[0]!r} has no rows"
+    except Exception as e:  # pyarrow raises several types for unreadable files
+        raise DatasetError(f"cannot read {files[0]!r}: {e}") from None
+    return None
+
+
+def _load_with_datasets(files: list[str]):
     builder = DATASETS_BUILDERS[_suffix(files[0])]
     try:
         return datasets.load_dataset(builder, data_files=files, split="train")
@@ -173,9 +251,17 @@ def _load_with_datasets(files: list[str]):
         raise DatasetError(f"cannot read {files[0]!r} as {builder}: {e}") from None
 
 
-def _load_from_disk(folder: str):
-    import datasets
+def _saved_without_data(folder: str) -> bool:
+    """A save_to_disk folder of an empty dataset (no data files: the
+    datasets loader fails on it)."""
+    try:
+        state = orjson.loads((Path(folder) / "state.json").read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return False
+    return isinstance(state, dict) and state.get("_data_files") == []
 
+
+def _load_from_disk(folder: str):
     try:
         return datasets.load_from_disk(folder)
     except Exception as e:

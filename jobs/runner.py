@@ -8,11 +8,14 @@ the process dies are redone on the next run, done ids are skipped.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import secrets
 import shlex
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -20,12 +23,12 @@ from typing import Iterator
 import mlx.core as mx
 
 from jobs.config import JobConfig, fingerprint, fingerprint_parts, model_identity
-from jobs.output import OutputFolder, writer_name
+from jobs.lock import FolderInUse
+from jobs.output import OutputError, OutputFolder, read_all_ledgers, writer_name
 from jobs.progress import Progress
 from jobs.prompts import Preparer, Request, RowError
 from jobs.readers import PromptSource
 from mtp_engine import MTPEngine
-from mtp_engine.backend import BUNDLED, CBLAS_SHIM, cpu_blas
 from mtp_engine.batch import BatchDecoder
 from schemas.arrow import SCHEMA_VERSION, completion_row, error_row
 
@@ -88,6 +91,23 @@ class StopRequest:
         return self.signal_name is not None
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the ranks of one job under mlx.launch.
+
+    Attributes:
+        rank, world: This rank and the number of ranks.
+        share: Returns rank 0's value on every rank (waiting for all of them).
+    """
+
+    rank: int = 0
+    world: int = 1
+    share: Callable[[int], int] | None = None
+
+    def barrier(self) -> None:
+        self.share(0)
+
+
 def row_owner(row_id: str, world: int) -> int:
     """Rank that handles a row: a stable hash of its id."""
     if world == 1:
@@ -124,7 +144,7 @@ class _Buffer:
         self.last_commit = now
 
 
-def build_manifest(config: JobConfig, engine: MTPEngine, total: int | None, world: int) -> dict:
+def build_manifest(config: JobConfig, engine: MTPEngine, source: PromptSource, total: int | None, world: int) -> dict:
     model_id = model_identity(config.model)
     template = getattr(engine.tokenizer, "chat_template", None)
     parts = fingerprint_parts(config, model_id, template)
@@ -134,7 +154,7 @@ def build_manifest(config: JobConfig, engine: MTPEngine, total: int | None, worl
         "fingerprint_parts": parts,
         "config": config.to_dict(),
         "model": {**model_id, "path": str(Path(config.model).expanduser().resolve())},
-        "dataset": {"path": config.dataset, "rows": total},
+        "dataset": {"path": config.dataset, "rows": total, "identity": source.identity()},
         "world_size": world,
     }
 
@@ -142,9 +162,7 @@ def build_manifest(config: JobConfig, engine: MTPEngine, total: int | None, worl
 def run_job(
     config: JobConfig,
     *,
-    rank: int = 0,
-    world: int = 1,
-    barrier=None,
+    ranks: Ranks = Ranks(),
     engine: MTPEngine | None = None,
     stream=None,
 ) -> JobSummary:
@@ -152,46 +170,81 @@ def run_job(
 
     Args:
         config: The job.
-        rank, world: This process's place under mlx.launch (rows are split by
-            a hash of their id).
-        barrier: Waits for every rank (required when ``world > 1``): after
-            rank 0 opened the folder, and once all rows are committed, before
-            rank 0 writes the final state.json/dataset_info.json.
+        ranks: This process's place under mlx.launch (rows are split by a
+            hash of their id; rank 0 holds the folder's lock).
         engine: An already loaded engine for ``config.model`` (tests).
         stream: Where progress goes (default stderr).
 
     Raises:
         FileNotFoundError, ValueError (bad model, dataset or configuration),
-        FingerprintMismatch, OutputError: the job cannot run.
+        OutputError (the folder cannot be used: in use, another job, another
+        dataset, damaged, or the file system refused; the message names
+        the path and what is committed).
     """
     stream = stream or sys.stderr
+    rank, world = ranks.rank, ranks.world
     requested = config.mode
     config = config.resolved("cpu" if mx.default_device() == mx.cpu else "gpu")
-    engine = engine or MTPEngine.load(config.model)
+    engine = engine or MTPEngine.load(config.model, options=config.engine_options())
     source = PromptSource(config.dataset)
     total = len(source)
     if config.limit is not None:
         total = min(total, config.limit)
-    out = OutputFolder(Path(config.output), writer_name(rank))
-    manifest = build_manifest(config, engine, total, world)
-    if world > 1:
-        # Rank 0 creates (or checks) the folder first; the others then join it.
-        # If rank 0 cannot, it still meets the others at the barrier, and they
-        # fail on the same check instead of waiting for it forever.
-        if rank == 0:
-            try:
-                out.open(manifest, overwrite=config.overwrite)
-            except Exception:
-                barrier()
-                raise
-        barrier()
-        if rank != 0:
-            out.open(manifest, overwrite=False)
-    else:
-        out.open(manifest, overwrite=config.overwrite)
-    preparer = Preparer(config, engine.tokenizer, engine.context_length)
-    buffer = _Buffer(out, config.rows_per_shard, config.commit_seconds)
+    prefix = f"[rank {rank}/{world}] " if world > 1 else ""
+    log = lambda m: print(prefix + m, file=stream, flush=True)  # noqa: E731
+    out = OutputFolder(Path(config.output), writer_name(rank), log=log)
+    manifest = build_manifest(config, engine, source, total, world)
+    try:
+        _open_folder(out, config, manifest, ranks)
+        return _run(config, requested, engine, source, total, out, ranks, stream, log)
+    except OSError as e:
+        raise OutputError(_os_error_message(e, out)) from None
+    finally:
+        out.close()
 
+
+def _open_folder(out: OutputFolder, config: JobConfig, manifest: dict, ranks: Ranks) -> None:
+    """Open the folder; under mlx.launch rank 0 opens (and locks) it and the
+    others join it once rank 0 says it succeeded."""
+    open_kwargs = dict(overwrite=config.overwrite, allow_dataset_change=config.allow_dataset_change)
+    if ranks.world == 1:
+        out.open(manifest, token=secrets.token_hex(8), **open_kwargs)
+        return
+    token = f"{ranks.share(secrets.randbelow(2**31 - 1) if ranks.rank == 0 else 0):x}"
+    failure = None
+    if ranks.rank == 0:
+        try:
+            out.open(manifest, token=token, **open_kwargs)
+        except (OutputError, FolderInUse, OSError) as e:
+            failure = e
+    if ranks.share(0 if failure is None else 1):
+        if failure is not None:
+            raise failure
+        raise OutputError(f"rank 0 could not open {out.path}; see its message")
+    if ranks.rank != 0:
+        out.join(manifest, token)
+
+
+def _os_error_message(e: OSError, out: OutputFolder) -> str:
+    what = e.strerror or str(e)
+    where = f" ({e.filename})" if e.filename else ""
+    hint = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space",
+            errno.EROFS: "the file system is read-only", errno.EACCES: "check the permissions",
+            errno.EPERM: "check the permissions", errno.ENOTDIR: "a part of --output is a file",
+            errno.EEXIST: "a file is in the way"}.get(e.errno, "")
+    try:  # what the ledgers hold (the open may have failed before reading them)
+        done = len({rid for e in read_all_ledgers(out.path) for rid in e.ids})
+    except (OutputError, OSError):
+        done = out.totals.rows
+    kept = (f"{done} rows were committed before and are intact; rerun the same command to resume"
+            if done else "nothing had been committed")
+    return f"cannot write to {out.path}: {what}{where}{'; ' + hint if hint else ''}. {kept}"
+
+
+def _run(config, requested, engine, source, total, out, ranks, stream, log) -> JobSummary:
+    rank, world = ranks.rank, ranks.world
+    preparer = Preparer(config, engine.tokenizer, engine.context_length, reserved_ids=_raw_ids(source, config))
+    buffer = _Buffer(out, config.rows_per_shard, config.commit_seconds)
     mine_total = total if world == 1 else None
     progress = Progress(
         mine_total,
@@ -199,17 +252,16 @@ def run_job(
         stream=stream,
         prefix=f"[rank {rank}/{world}] " if world > 1 else "",
     )
-    blas = ""
-    if mx.default_device() == mx.cpu:
-        served_by = cpu_blas()
-        blas = f" | BLAS: {served_by}"
-        if served_by == BUNDLED and CBLAS_SHIM.exists():
-            blas += f" (LD_PRELOAD={CBLAS_SHIM} is faster)"
     progress.log(
         f"job: {config.dataset} -> {config.output} | model {Path(config.model).name} | "
         f"mode {config.mode}{' (auto)' if requested == 'auto' else ''} | "
-        f"{len(out.done_ids)} rows already done{blas}"
+        f"{len(out.done_ids)} rows already done"
     )
+    if source.empty_reason is not None:
+        progress.log(f"note: {source.empty_reason}; nothing to generate")
+    if rank == 0:
+        for status in engine.fast_paths:
+            progress.log(status.line())
 
     def finish(row: dict, steps: int = 0, accepted: int = 0) -> None:
         buffer.add(row)
@@ -230,11 +282,11 @@ def run_job(
         buffer.flush()
         progress.close()
         if world > 1 and not stop.requested:
-            barrier()  # every rank's rows are committed
+            ranks.barrier()  # every rank's rows are committed
             if rank == 0:
                 out.refresh_views()
 
-    summary = JobSummary(
+    return JobSummary(
         output=out.path,
         total=total,
         done=len(out.done_ids),
@@ -244,7 +296,19 @@ def run_job(
         elapsed_s=time.perf_counter() - started,
         interrupted=stop.signal_name,
     )
-    return summary
+
+
+def _raw_ids(source: PromptSource, config: JobConfig) -> set[str]:
+    """Every id the dataset itself gives (a pass over its rows), so ids made
+    for duplicates never take one of them."""
+    ids = set()
+    for row in source:
+        if config.limit is not None and row.index >= config.limit:
+            break
+        raw = (row.data or {}).get(config.id_field)
+        if isinstance(raw, (str, int)) and not isinstance(raw, bool):
+            ids.add(str(raw))
+    return ids
 
 
 def _work(source, config, preparer, done_ids, rank, world, stop) -> Iterator[Request | RowError]:

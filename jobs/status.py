@@ -1,4 +1,7 @@
-"""``python -m jobs status DIR``: what a job's output folder holds."""
+"""``python -m jobs status DIR [--verify]``: what a job's output folder
+holds, and whether it is intact (every shard's size always; with
+``--verify`` its CRC-32 too). Damage is listed and makes the exit status 1;
+a resume repairs it (the damaged shards' rows are redone)."""
 
 from __future__ import annotations
 
@@ -7,26 +10,50 @@ from pathlib import Path
 
 import orjson
 
-from jobs.output import MANIFEST, Totals, read_all_ledgers
+from jobs.ledger import Totals
+from jobs.output import MANIFEST, OutputError, check_shard, ledgers, read_all_ledgers
 
 
-def folder_totals(folder: Path) -> tuple[dict, Totals]:
-    """The manifest and totals summed over every ledger of the folder."""
+def folder_state(folder: Path, verify: bool) -> tuple[dict, Totals, list[str]]:
+    """The manifest, totals over every ledger, and what is damaged.
+
+    Raises:
+        OutputError: Not a job folder, a corrupt manifest, or a ledger
+            damaged in the middle.
+    """
     manifest_path = folder / MANIFEST
+    if not folder.is_dir():
+        raise OutputError(f"{folder} is not a folder")
     if not manifest_path.exists():
-        raise FileNotFoundError(f"{folder} is not a job output folder (no {MANIFEST})")
-    manifest = orjson.loads(manifest_path.read_bytes())
+        raise OutputError(f"{folder} is not a job output folder (no {MANIFEST})")
+    try:
+        manifest = orjson.loads(manifest_path.read_bytes())
+    except orjson.JSONDecodeError as e:
+        raise OutputError(f"{manifest_path} is corrupt ({e}); rerun the job's command to rebuild it") from None
+    entries = read_all_ledgers(folder)
+    damage = []
+    for ledger in ledgers(folder):
+        if tail := ledger.read().tail:
+            damage.append(f"{ledger.path.name}: {tail} bytes after its last complete line (cut on resume)")
+    seen: set[str] = set()
     totals = Totals()
-    for entry in read_all_ledgers(folder):
-        totals.add(entry)
-    return manifest, totals
+    for e in entries:
+        problem = check_shard(folder, e, checksum=verify)
+        if problem is None and seen & set(e.ids):
+            problem = "it repeats ids of an earlier shard"
+        if problem is not None:
+            damage.append(f"shard {e.shard}: {problem} ({e.rows} rows; a resume quarantines it and redoes them)")
+            continue
+        seen.update(e.ids)
+        totals.add(e)
+    return manifest, totals, damage
 
 
-def print_status(folder: Path, stream=None) -> int:
+def print_status(folder: Path, verify: bool = False, stream=None) -> int:
     stream = stream or sys.stdout
     try:
-        manifest, t = folder_totals(folder)
-    except FileNotFoundError as e:
+        manifest, t, damage = folder_state(folder, verify)
+    except OutputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     cfg = manifest.get("config", {})
@@ -42,6 +69,8 @@ def print_status(folder: Path, stream=None) -> int:
         f"speed:     {t.tokens_per_s:.1f} tokens/s (over {t.elapsed_s:.0f} s of work; ranks at work together count once)" if t.tokens_per_s else "speed:     -",
         f"acceptance length: {t.acceptance_length:.2f} tokens per verify step" if t.acceptance_length else "acceptance length: -",
         f"fingerprint: {manifest.get('fingerprint')}",
+        f"checked:   {'sizes and CRC-32 of every shard' if verify else 'sizes of every shard (--verify adds CRC-32)'}: "
+        + (f"{len(damage)} problem(s)" if damage else "intact"),
     ]
-    print("\n".join(lines), file=stream)
-    return 0
+    print("\n".join(lines + [f"  damaged: {d}" for d in damage]), file=stream)
+    return 1 if damage else 0

@@ -6,8 +6,8 @@ It loads a checkpoint once and decodes prompts one at a time; every
 Greedy speculative output equals plain greedy decoding of the same model.
 
 One decoding step (chain): draft ``d_1..d_K`` from ``(H_last, x)`` with the MTP
-head; verify ``[x, d_1..d_K]`` in one trunk forward with per-token recurrent
-checkpoints; accept the longest prefix with ``d_j == g_{j-1}``; emit it and
+head; verify ``[x, d_1..d_K]`` in one trunk forward that captures per-token
+recurrent states; accept the longest prefix with ``d_j == g_{j-1}``; emit it and
 the bonus ``g_n``; commit ``n + 1`` tokens to the trunk's caches; queue the
 accepted pairs for the head.
 """
@@ -15,82 +15,33 @@ accepted pairs for the head.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 
-from mtp_engine.cache_ops import (
-    commit_by_replay,
-    commit_tree_row,
-    commit_verified_prefix,
-    snapshot,
-    tile_caches,
+from mtp_engine.cache.capture import make_main_cache
+from mtp_engine.drafters.select import (
+    DRAFTERS,
+    EngineDrafters,
+    build_drafters,
+    select_drafter,
 )
-from mtp_engine.compiled_head import can_compile_head
-from mtp_engine.cpu_drafter import NativeDrafter, native_head
-from mtp_engine.cuda_drafter import KernelDrafter, chain_kernel
-from mtp_engine.drafter import MTPDrafter
-from mtp_engine.loader import LoadedCheckpoint, load_checkpoint
+from mtp_engine.kernels import cpu_blas
+from mtp_engine.model.loader import LoadedCheckpoint, load_checkpoint
 from mtp_engine.modes import DecodeConfig
-from mtp_engine.recurrent import CheckpointArraysCache, make_main_cache
+from mtp_engine.options import (
+    EngineOptions,
+    FastPathStatus,
+    apply_process_settings,
+    cudnn_attention_on,
+)
 from mtp_engine.stopping import Finisher, stop_list
+from mtp_engine.verify import VerifyOutcome, greedy_tokens, top_logits, verify
 from schemas.records import GenerationResult, GenerationStats, StepTrace
-
-
-DRAFTERS = ("auto", "mlx", "mlx-eager", "c++", "cuda")
-"""Who may draft a generation's chain and adaptive modes (`MTPEngine.generate`)."""
 
 
 class PromptTooLongError(ValueError):
     """The prompt does not fit the model's context."""
-
-
-@dataclass(frozen=True)
-class VerifyOutcome:
-    """Result of one verify forward.
-
-    Attributes:
-        row: Winning row (path index).
-        accepted: Drafts accepted on that row (n).
-        emitted: ``d_1..d_n`` and the bonus token.
-        hidden: The verify forward's trunk hiddens, every row, ``[P, K+1, dim]``;
-            positions ``0..n`` of ``row`` are the committed ones.
-        logits: That row's logits at positions ``0..n``, ``[n+1, vocab]`` (lazy).
-        paths: The drafted paths that were verified, as token lists.
-    """
-
-    row: int
-    accepted: int
-    emitted: list[int]
-    hidden: mx.array
-    logits: mx.array
-    paths: list[list[int]]
-
-
-def top_logits(logits: mx.array, k: int = 4) -> list[list[tuple[int, float]]]:
-    """The ``k`` highest ``(token, logit)`` pairs of each row of ``[n, vocab]``
-    logits, best first (float32 values)."""
-    order = mx.argsort(-logits.astype(mx.float32), axis=-1)[:, :k]
-    values = mx.take_along_axis(logits, order, axis=-1).astype(mx.float32)
-    return [list(zip(t, v)) for t, v in zip(order.tolist(), values.tolist())]
-
-
-def greedy_tokens(logits: mx.array) -> mx.array:
-    """Greedy choice as mlx-lm's ``generate_step`` makes it (argmax of the
-    log-probabilities), so rounding ties resolve identically."""
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return mx.argmax(logprobs, axis=-1)
-
-
-def accepted_prefix(draft: list[int], targets: list[int]) -> int:
-    """Length of the longest prefix with ``draft[j] == targets[j]``."""
-    n = 0
-    for d, g in zip(draft, targets):
-        if d != g:
-            break
-        n += 1
-    return n
 
 
 class MTPEngine:
@@ -98,68 +49,30 @@ class MTPEngine:
     with lossless greedy speculative decoding.
 
     Args:
-        checkpoint: What `load_checkpoint` returned.
-        use_checkpoints: Commit recurrent caches from per-token checkpoints
-            (default). False restores a snapshot and replays the accepted
-            tokens instead (slower; for caches without checkpoints).
+        checkpoint: What `load_checkpoint` returned (its ``options`` hold
+            the fast-path switches, see `mtp_engine.options`).
         prefill_step_size: Prompt tokens per prefill forward (as mlx-lm).
-        host_drafts: On a GPU, draft chain and adaptive modes on the host
-            CPU with the C++ head (float32 copies of the head, embedding and
-            LM head in host memory) while the GPU verifies. On the CPU
-            backend the C++ head is used whenever it can run the head.
-        compile_head: Draft through a `CompiledHead` (the head's forward
-            compiled around its KV-cache attention). Default: whenever the
-            head allows it (`can_compile_head`).
-        draft_kernel: On CUDA, draft chains with one kernel launch each
-            (`mtp_engine.cuda_drafter`). Default: wherever the kernel can
-            serve the head; False never.
     """
 
-    def __init__(
-        self,
-        checkpoint: LoadedCheckpoint,
-        *,
-        use_checkpoints: bool = True,
-        prefill_step_size: int = 2048,
-        host_drafts: bool = False,
-        compile_head: bool | None = None,
-        draft_kernel: bool | None = None,
-    ):
+    def __init__(self, checkpoint: LoadedCheckpoint, *, prefill_step_size: int = 2048):
         self.checkpoint = checkpoint
+        self.options = checkpoint.options
         self.model = checkpoint.model
         # Inference mode, as mlx_lm.load leaves a model: the engine's own
-        # recurrence serves only layers that are not training (a model left
-        # training would decode the same tokens through mlx-lm's per-token ops).
+        # recurrence serves only layers that are not training.
         self.model.eval()
         checkpoint.head.eval()
         self.tokenizer = checkpoint.tokenizer
         self.config = checkpoint.config
-        self.use_checkpoints = use_checkpoints
         self.prefill_step_size = prefill_step_size
+        apply_process_settings(self.options)
         trunk = self.model.model
-        if compile_head is None:
-            compile_head = can_compile_head(checkpoint.head)
-        self.drafter = MTPDrafter(
-            checkpoint.head, trunk.embed_tokens, self.lm_head, prefill_step_size, compiled=compile_head
+        lm_head_module = trunk.embed_tokens if self.model.args.tie_word_embeddings else self.model.lm_head
+        self.drafters: EngineDrafters = build_drafters(
+            checkpoint.head, trunk.embed_tokens, self.lm_head, lm_head_module, prefill_step_size, self.options
         )
-        # The same head, never compiled (drafter="mlx-eager": for comparisons).
-        self.eager_drafter = (
-            MTPDrafter(checkpoint.head, trunk.embed_tokens, self.lm_head, prefill_step_size)
-            if compile_head
-            else self.drafter
-        )
-        # On the CPU, chain and adaptive drafts run in C++ where the head allows
-        # (`mtp_engine.cpu_drafter`); it reads the head's weights as they are now.
-        lm_head = trunk.embed_tokens if self.model.args.tie_word_embeddings else self.model.lm_head
-        native = native_head(checkpoint.head, trunk.embed_tokens, lm_head, on_gpu=host_drafts)
-        self.native_drafter = NativeDrafter(native) if native is not None else None
-        # On CUDA, chain drafts run as one kernel launch where it serves the head.
-        kernel = chain_kernel(checkpoint.head, trunk.embed_tokens, lm_head) if draft_kernel is not False else None
-        self.kernel_drafter = (
-            KernelDrafter(checkpoint.head, trunk.embed_tokens, self.lm_head, kernel, prefill_step_size)
-            if kernel is not None
-            else None
-        )
+        self.fast_paths: list[FastPathStatus] = [self._blas_status(), *checkpoint.fast_paths,
+                                                 *self.drafters.statuses, self._attention_status()]
 
     @classmethod
     def load(
@@ -167,20 +80,45 @@ class MTPEngine:
         path: str | Path,
         *,
         dtype: str | None = None,
-        compile_layers: bool | None = None,
-        rowwise_linears: bool | None = None,
-        **kwargs,
+        options: EngineOptions | None = None,
+        prefill_step_size: int = 2048,
+        **switches,
     ) -> "MTPEngine":
         """Load a checkpoint folder (Hub layout, or mlx_lm.convert output that
-        holds the ``mtp.*`` tensors). ``dtype`` casts the weights ("float32",
-        "bfloat16", "float16"); ``compile_layers`` turns compiled decoder
-        layers on or off (default: on MLX's CPU backend only);
-        ``rowwise_linears`` few-row dense products row by row (default: on
-        CUDA). See `load_checkpoint` for errors."""
-        checkpoint = load_checkpoint(
-            path, dtype=dtype, compile_layers=compile_layers, rowwise_linears=rowwise_linears
-        )
-        return cls(checkpoint, **kwargs)
+        holds the ``mtp.*`` tensors).
+
+        Args:
+            path: The folder.
+            dtype: Cast the weights ("float32", "bfloat16", "float16").
+            options: Fast-path switches (default: `EngineOptions.from_env`).
+            prefill_step_size: Prompt tokens per prefill forward.
+            **switches: `EngineOptions` fields to change, e.g.
+                ``compile_layers=False``.
+
+        Raises:
+            See `load_checkpoint`; ValueError for an unknown switch.
+        """
+        options = (options if options is not None else EngineOptions.from_env()).with_switches(**switches)
+        return cls(load_checkpoint(path, dtype=dtype, options=options), prefill_step_size=prefill_step_size)
+
+    def _blas_status(self) -> FastPathStatus:
+        if mx.default_device() != mx.cpu:
+            return FastPathStatus("cpu_blas", "unavailable", "not MLX's CPU backend")
+        why = cpu_blas.unavailable_reason()
+        if why is not None:
+            state = "off" if why.startswith("off by") else "unavailable"
+            return FastPathStatus("cpu_blas", state, why)
+        route = cpu_blas.configure(self.options.cpu_blas, self.options.few_rows)
+        if route == cpu_blas.BUNDLED:
+            return FastPathStatus("cpu_blas", "off", "by choice: MLX's bundled BLAS (process-wide)")
+        rows = f"products of <= {self.options.few_rows} rows in the few-row kernel, " if self.options.few_rows else ""
+        return FastPathStatus("cpu_blas", "on", f"{rows}larger ones in OpenBLAS (process-wide)")
+
+    def _attention_status(self) -> FastPathStatus:
+        if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
+            return FastPathStatus("cudnn_attention", "unavailable", "not MLX's CUDA backend")
+        on = cudnn_attention_on()
+        return FastPathStatus("cudnn_attention", "on" if on else "off", "" if on else "by choice: MLX's own kernels")
 
     # -- model plumbing ------------------------------------------------------
 
@@ -252,11 +190,11 @@ class MTPEngine:
             stop: Stop string(s); the text is cut before the first one.
             trace: Record every verify step in ``result.trace``.
             tree_pos2: "tree" mode adds the branch at draft position 2.
-            drafter: Who drafts chain and adaptive modes: "auto" (the C++
-                head or the CUDA chain kernel where the engine has them, see
-                `drafter_for`), "mlx", "mlx-eager" (the MLX head, not
-                compiled, in every mode), "c++" or "cuda" (chains only). It
-                changes speed, never the output.
+            drafter: Who drafts: "auto" (the fastest the engine has for the
+                mode), "mlx", "mlx-eager" (the MLX head, not compiled),
+                "cpp" (chain and adaptive) or "cuda" (chain); see
+                `mtp_engine.drafters.select`. It changes speed, never the
+                output.
 
         Returns:
             A `GenerationResult`.
@@ -268,7 +206,7 @@ class MTPEngine:
         spec = DecodeConfig(
             mode=mode, draft_tokens=draft_tokens, tau=tau, paths=paths, tree_pos2=tree_pos2
         )
-        if drafter not in DRAFTERS:
+        if drafter not in DRAFTERS and drafter != "c++":
             raise ValueError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))}, got {drafter!r}")
         chosen = self.drafter_for(spec.mode, drafter) if spec.speculative else None
         if not isinstance(max_tokens, int) or max_tokens < 1:
@@ -362,38 +300,9 @@ class MTPEngine:
             if stats.steps % 256 == 0:
                 mx.clear_cache()
 
-    def drafter_for(self, mode: str, choice: str = "auto") -> MTPDrafter | NativeDrafter:
-        """The drafter a mode uses. "auto": the C++ one for chain and
-        adaptive drafts when the engine has it, else the CUDA chain kernel
-        for chains when the engine has it, else the MLX one; "mlx";
-        "mlx-eager" (the MLX head without `CompiledHead`); "c++" and "cuda"
-        (a ValueError where the engine has none or the mode is not one they
-        draft)."""
-        native_ok = self.native_drafter is not None and mode in ("chain", "adaptive")
-        kernel_ok = self.kernel_drafter is not None and mode == "chain"
-        if choice == "auto":
-            if native_ok:
-                return self.native_drafter
-            return self.kernel_drafter if kernel_ok else self.drafter
-        if choice == "mlx":
-            return self.drafter
-        if choice == "mlx-eager":
-            return self.eager_drafter
-        if choice == "c++":
-            if not native_ok:
-                raise ValueError(
-                    f"no C++ drafter for mode {mode!r}: it drafts chain and adaptive modes on the CPU "
-                    "backend (or with host_drafts=True) when the _mtp_draft extension is built"
-                )
-            return self.native_drafter
-        if choice == "cuda":
-            if not kernel_ok:
-                raise ValueError(
-                    f"no cuda chain kernel for mode {mode!r}: it drafts chain mode on MLX's CUDA backend "
-                    "for one-layer MoE heads of unquantized weights (mtp_engine.cuda_drafter)"
-                )
-            return self.kernel_drafter
-        raise ValueError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))}, got {choice!r}")
+    def drafter_for(self, mode: str, choice: str = "auto"):
+        """The drafter a mode uses (`mtp_engine.drafters.select.select_drafter`)."""
+        return select_drafter(self.drafters, mode, choice)
 
     def _speculate(self, spec, drafter, ids, prompt_hidden, x, caches, finisher, stats, steps) -> None:
         state = drafter.new_state()
@@ -425,49 +334,4 @@ class MTPEngine:
             x = out.emitted[-1]
 
     def _verify(self, caches: list, x: int, paths: list[list[int]] | mx.array) -> VerifyOutcome:
-        """One trunk forward over ``[x, path]`` for every path; commit the
-        winning row's accepted prefix.
-
-        ``paths`` are equal-length token lists, or the drafts as a lazy
-        ``[P, K]`` int32 array (read back here, with the targets)."""
-        drafts = paths if isinstance(paths, mx.array) else mx.array(paths, dtype=mx.int32)
-        n_paths, width = drafts.shape[0], drafts.shape[1] + 1
-        snaps = None if self.use_checkpoints else snapshot(caches)
-        if n_paths > 1:
-            tile_caches(caches, n_paths)
-        if self.use_checkpoints:
-            for c in caches:
-                if isinstance(c, CheckpointArraysCache):
-                    c.begin_capture()
-        inputs = mx.concatenate([mx.full((n_paths, 1), x, dtype=mx.int32), drafts], axis=1)  # [P, K+1]
-        hidden = self.model.model(inputs, cache=caches)  # [P, K+1, dim]
-        logits = self.lm_head(hidden)
-        # Drafts and targets in one read: [P][K] and [P][K+1].
-        rows = mx.concatenate([drafts, greedy_tokens(logits).astype(mx.int32)], axis=1).tolist()
-        paths = [r[: width - 1] for r in rows]
-        targets = [r[width - 1 :] for r in rows]
-
-        best_row, best_n = 0, -1
-        for r, (path, g) in enumerate(zip(paths, targets)):
-            n = accepted_prefix(path, g)
-            if n > best_n:
-                best_row, best_n = r, n
-        path, g = paths[best_row], targets[best_row]
-        emitted = path[:best_n] + [g[best_n]]
-        keep = best_n + 1
-
-        if n_paths > 1:
-            committed = commit_tree_row(caches, width, keep, best_row)
-        else:
-            committed = commit_verified_prefix(caches, width, keep)
-        if not committed:
-            commit_by_replay(self.model.model, caches, snaps, mx.array([[x] + path[:best_n]]))
-            mx.eval([c.state for c in caches])
-        return VerifyOutcome(
-            best_row,
-            best_n,
-            emitted,
-            hidden,
-            logits[best_row, :keep],
-            paths,
-        )
+        return verify(self.model.model, self.lm_head, caches, x, paths, capture=self.options.state_capture)

@@ -4,9 +4,8 @@ Each speculative mode is a small drafting strategy with one interface:
 ``propose(drafter, state, depth) -> paths``: equal-length token lists (one
 path is a chain, several are verified together as a batch), or for chain
 mode with the MLX drafter a lazy ``[1, K]`` array the verify forward reads
-back with its targets. Chain and adaptive drafts may come from the C++
-drafter (`mtp_engine.cpu_drafter.NativeDrafter`), which has the same calls
-for those two modes.
+back with its targets. Any `mtp_engine.drafters.base.Drafter` whose
+``modes`` include the mode can draft it.
 """
 
 from __future__ import annotations
@@ -14,9 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-
-from mtp_engine.cpu_drafter import NativeDrafter
-from mtp_engine.drafter import MTPDrafter, MTPDraftState
 
 MODES = ("baseline", "chain", "adaptive", "tree", "adaptive_tree", "paths")
 SPECULATIVE_MODES = MODES[1:]
@@ -73,9 +69,7 @@ class DecodeConfig:
         tau = self.tau if self.mode in ("adaptive", "adaptive_tree") else None
         return {"draft_tokens": self.draft_tokens, "paths": self.max_paths, "tau": tau}
 
-    def propose(
-        self, drafter: MTPDrafter | NativeDrafter, state: MTPDraftState, depth: int
-    ) -> list[list[int]] | mx.array:
+    def propose(self, drafter, state, depth: int) -> list[list[int]] | mx.array:
         """Draft for one verify step, at most ``depth`` tokens deep (>= 1)."""
         k = min(self.draft_tokens, depth)
         if self.mode == "chain":

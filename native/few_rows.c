@@ -1,5 +1,5 @@
 /*
- * A few-row sgemm for decoding and verify forwards (see cblas_openblas.c).
+ * A few-row sgemm for decoding and verify forwards (see cpu_blas.c).
  *
  * A forward over T tokens multiplies T rows (T = 1 in plain decoding, 2 to 8
  * in a verify) by every weight matrix. Row by row, each row streams the whole
@@ -11,7 +11,7 @@
  * LANES partial sums over k (lane l takes k = l, l + LANES, ...), reduced by
  * `lane_sum`, then the k % LANES tail in k order. How rows and columns are
  * tiled never changes it, so row i of a T-row product equals the one-row
- * product of row i bit for bit: per-token checkpoints of a verify forward equal
+ * product of row i bit for bit: per-token captured states of a verify forward equal
  * token-by-token decoding. Build it with -ffp-contract=off: the vector
  * multiply-adds are fused explicitly (MADD) and nothing else is, so no tile
  * rounds differently from another; the tests check rows against one-row

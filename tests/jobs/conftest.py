@@ -9,7 +9,7 @@ import pytest
 
 from jobs.config import JobConfig
 from mtp_engine import MTPEngine
-from mtp_engine.tiny_checkpoint import make_tiny_checkpoint, tiny_config
+from mtp_engine.io.tiny import make_tiny_checkpoint, tiny_config
 
 PROMPT_TEXTS = [
     "def add(a, b):",

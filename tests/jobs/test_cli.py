@@ -67,7 +67,7 @@ def test_generate_then_status(tmp_path, job_model, capsys):
 
 
 def test_status_speed_counts_ranks_working_together_once():
-    from jobs.output import LedgerEntry, Totals
+    from jobs.ledger import LedgerEntry, Totals
 
     def entry(writer, start, seconds, tokens):
         return LedgerEntry(shard=f"{writer}-{start}", writer=writer, ids=[], rows=1, errors=0,

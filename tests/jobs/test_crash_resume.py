@@ -22,6 +22,9 @@ from tests.jobs.conftest import job_config, prompt_rows, write_jsonl
 ROOT = Path(__file__).resolve().parents[2]
 
 
+DRIVER = Path(__file__).with_name("crash_driver.py")
+
+
 def generate_cmd(dataset, model, output) -> list[str]:
     return [
         sys.executable, "-m", "jobs", "generate", "--dataset", str(dataset), "--model", str(model),
@@ -37,9 +40,10 @@ def rows_by_id(folder: Path) -> dict:
 
 
 def run_until_killed(cmd, output: Path, *, crash_at: str | None = None, kill_after_shards: int | None = None):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
     if crash_at:
-        env["MTP_JOBS_CRASH_AT"] = crash_at
+        step, _, n = crash_at.partition(":")
+        cmd = [sys.executable, str(DRIVER), step, n or "1", "--", *cmd[3:]]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     if kill_after_shards is not None:
         start = len(read_all_ledgers(output)) if output.exists() else 0

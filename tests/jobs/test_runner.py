@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import io
 import json
 import shutil
 
@@ -247,7 +249,7 @@ def test_transient_write_errors_are_retried(tmp_path, job_model, job_engine, mon
     def flaky_replace(src, dst):
         if str(dst).endswith(".arrow") and failures["left"]:
             failures["left"] -= 1
-            raise OSError("simulated transient I/O error")
+            raise OSError(errno.EIO, "simulated transient I/O error")
         return real_replace(src, dst)
 
     monkeypatch.setattr(output.os, "replace", flaky_replace)
@@ -298,3 +300,12 @@ def test_auto_mode_follows_the_backend(tmp_path, job_model, job_engine):
     assert {r["acceptance"]["mode"] for r in rows.values()} == {AUTO_MODE["cpu"]}
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["config"]["mode"] == AUTO_MODE["cpu"]  # fingerprinted as resolved
+
+
+def test_a_job_logs_one_line_per_fast_path(tmp_path, job_model, job_engine):
+    log = io.StringIO()
+    run_job(job_config(write_jsonl(tmp_path / "in.jsonl", prompt_rows(1)), job_model, tmp_path / "out",
+                       max_tokens=4), engine=job_engine, stream=log)
+    lines = [line for line in log.getvalue().splitlines() if line.startswith("fast path ")]
+    names = [line.split()[2].rstrip(":") for line in lines]
+    assert set(names) == {s.name for s in job_engine.fast_paths} and len(names) == len(set(names)) == 12

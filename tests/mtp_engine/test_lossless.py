@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from mtp_engine import MTPEngine
-from mtp_engine.tiny_checkpoint import tiny_config
+from mtp_engine.io.tiny import tiny_config
 from tests.conftest import PROMPTS
 
 NEAR_TIE = 1e-4

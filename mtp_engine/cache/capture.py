@@ -1,0 +1,113 @@
+"""Per-token recurrent-state capture for verify forwards.
+
+Gated-delta (linear attention) caches hold ``[conv_state, ssm_state]`` and
+cannot be trimmed. To commit a verified prefix without replaying it, a
+verify forward records, for every token, the conv window and the recurrent
+state after it (its *captured states*); commit is then a lookup.
+
+`StateCaptureCache` is the cache type that asks for it and holds the
+result; the layer that fills it is `mtp_engine.model.gated_delta`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+
+class CapturedStates(Sequence):
+    """``[conv_state, ssm_state]`` after each token of a captured forward."""
+
+    def __init__(self, conv_states: Sequence, ssm_states: Sequence):
+        if len(conv_states) != len(ssm_states):
+            raise ValueError(f"{len(conv_states)} conv windows for {len(ssm_states)} recurrent states")
+        self.conv_states = conv_states
+        self.ssm_states = ssm_states
+
+    def __len__(self) -> int:
+        return len(self.ssm_states)
+
+    def __getitem__(self, t: int) -> list[mx.array]:
+        return [self.conv_states[t], self.ssm_states[t]]
+
+
+class StateCaptureCache(ArraysCache):
+    """An ``ArraysCache`` that can record per-token states during a forward.
+
+    Attributes:
+        capture: When True, the next forward through a capturing layer
+            records ``captured`` (it resets ``capture`` afterwards).
+        captured: ``captured[i]`` is ``[conv_state, ssm_state]`` after token
+            ``i`` of the last captured forward (a `CapturedStates`, which
+            builds only the items asked for), or None.
+    """
+
+    def __init__(self, size: int = 2):
+        super().__init__(size)
+        self.capture: bool = False
+        self.captured: CapturedStates | None = None
+
+    def begin_capture(self) -> None:
+        self.capture = True
+        self.captured = None
+
+    def clear_captured(self) -> None:
+        self.capture = False
+        self.captured = None
+
+    def record(self, tokens: int, conv_states: Sequence, ssm_states: Sequence) -> None:
+        """Advance past the ``tokens`` of a forward and, when capturing, keep
+        their per-token states."""
+        self[0] = conv_states[-1]
+        self[1] = ssm_states[-1]
+        self.advance(tokens)
+        if self.capture:
+            self.captured = CapturedStates(conv_states, ssm_states)
+            self.capture = False
+
+
+class ConvWindows(Sequence):
+    """The conv window after each token of a forward, sliced only when
+    asked for: item ``t`` is the ``n_keep`` conv inputs ending at token ``t``
+    of ``conv_input`` (which starts with the ``n_keep`` inputs before the
+    forward). A verify forward keeps every token's window but commits one,
+    so building the others would be waste."""
+
+    def __init__(self, conv_input: mx.array, n_keep: int):
+        self.conv_input = conv_input
+        self.n_keep = n_keep
+
+    def __len__(self) -> int:
+        return self.conv_input.shape[1] - self.n_keep
+
+    def __getitem__(self, t: int) -> mx.array:
+        t = range(len(self))[t]  # negative indices; IndexError past the end
+        return mx.contiguous(self.conv_input[:, t + 1 : t + 1 + self.n_keep, :])
+
+
+class StackedStates(Sequence):
+    """Rows of a ``[T, ...]`` array of per-token recurrent states, taken
+    only when asked for."""
+
+    def __init__(self, states: mx.array):
+        self.states = states
+
+    def __len__(self) -> int:
+        return self.states.shape[0]
+
+    def __getitem__(self, t: int) -> mx.array:
+        return self.states[range(len(self))[t]]
+
+
+class EngineKVCache(KVCache):
+    """A ``KVCache`` made by the engine (`make_main_cache`); full-attention
+    layers take their compiled path only with one (`mtp_engine.model.compiled`)."""
+
+
+def make_main_cache(model: nn.Module) -> list:
+    """Fresh caches for the trunk: KV for attention, capturing arrays for
+    gated-delta layers."""
+    return [StateCaptureCache(2) if layer.is_linear else EngineKVCache() for layer in model.layers]

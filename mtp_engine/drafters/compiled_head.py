@@ -1,0 +1,127 @@
+"""The MTP head's draft forward as a few compiled pieces.
+
+A draft step of a small model is all host work and kernel launches: about
+seventy ops (embedding, norms, the attention projections, the MoE block,
+the LM head) for one token, so on a GPU a chain of drafts launches about as
+many kernels as the verify forward it feeds.
+
+Everything in a draft step has a fixed shape except the attention over the
+head's KV cache, which grows every step. So the forward is cut around it:
+
+- ``enter``: embedding, the two input norms, ``fc``, and the first layer's
+  input norm and q/k/v/gate projections with RoPE (the position is an array
+  input, so one trace serves every position);
+- eager: the KV cache update and scaled dot-product attention;
+- ``between`` (heads with several layers): one layer's output projection and
+  MoE half, and the next layer's projections;
+- ``leave``: the last layer's output projection and MoE half, the final
+  norm, the LM head on the last position and the greedy token.
+
+``mx.compile`` traces each piece once per input width and replays it from
+C++, fusing its elementwise ops. Drafts only propose tokens, so a compiled
+head cannot change what the engine emits; the tests check that it drafts
+what the eager head drafts.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+
+from mtp_engine.model.mtp_head import (
+    MTPHead,
+    gated_attention_inputs,
+    gated_attention_output,
+    mlp_residual,
+)
+
+MAX_COMPILED_WIDTH = 16
+"""Widest draft forward (pairs per call) that takes the compiled path; a
+prompt's head prefill is wider and runs eagerly (one trace per width)."""
+
+
+def can_compile_head(head: MTPHead) -> bool:
+    """Whether `CompiledHead` can run this head: RoPE must take its position
+    as an array (mlx's ``nn.RoPE`` does; scaled variants may not)."""
+    return all(type(layer.self_attn.rope) is nn.RoPE for layer in head.layers)
+
+
+def _layer_output(layer: nn.Module, x: mx.array, attended: mx.array, gate: mx.array) -> mx.array:
+    """The rest of a decoder layer after attention: gated output projection,
+    residual, and the MoE (or dense MLP) half."""
+    return mlp_residual(layer, x + gated_attention_output(layer.self_attn, attended, gate))
+
+
+def last_draft(m: mx.array, lm_head) -> tuple[mx.array, mx.array, mx.array]:
+    """The last position of the head's hiddens ``m`` ``[1, L, dim]``: its
+    logits ``[vocab]``, hidden ``[1, 1, dim]`` and greedy token ``[1, 1]``
+    int32 (lazy)."""
+    m_last = m[:, -1:, :]
+    logits = lm_head(m_last)[0, 0]
+    return logits, m_last, mx.argmax(logits).astype(mx.int32).reshape(1, 1)
+
+
+class CompiledHead:
+    """Runs an `MTPHead` forward with all but its KV-cache attention compiled.
+
+    Args:
+        head: The head (see `can_compile_head`).
+        embed: The trunk's token embedding.
+        lm_head: The trunk's LM head (hiddens to logits).
+
+    The compiled pieces hold the weights as they are at construction, like
+    the engine's compiled layers: build it after the last cast.
+    """
+
+    def __init__(self, head: MTPHead, embed: nn.Module, lm_head):
+        if not can_compile_head(head):
+            raise ValueError("CompiledHead needs heads whose attention uses mlx's nn.RoPE")
+        self.head = head
+        self.embed = embed
+        self.lm_head = lm_head
+        layers = head.layers
+        self._enter = mx.compile(self._enter_impl)
+        self._between = [mx.compile(partial(self._between_impl, j)) for j in range(len(layers) - 1)]
+        self._leave = mx.compile(self._leave_impl)
+
+    def _enter_impl(self, hidden: mx.array, tokens: mx.array, offset: mx.array):
+        head = self.head
+        x = mx.concatenate(
+            [head.pre_fc_norm_embedding(self.embed(tokens)), head.pre_fc_norm_hidden(hidden)],
+            axis=-1,
+        )
+        x = head.fc(x)
+        layer = head.layers[0]
+        return (x, *gated_attention_inputs(layer.self_attn, layer.input_layernorm(x), offset))
+
+    def _between_impl(self, j: int, x, attended, gate, offset):
+        x = _layer_output(self.head.layers[j], x, attended, gate)
+        nxt = self.head.layers[j + 1]
+        return (x, *gated_attention_inputs(nxt.self_attn, nxt.input_layernorm(x), offset))
+
+    def _leave_impl(self, x, attended, gate):
+        return last_draft(self.head.norm(_layer_output(self.head.layers[-1], x, attended, gate)), self.lm_head)
+
+    def __call__(self, hidden: mx.array, tokens: mx.array, cache: list):
+        """The head over pairs ``(hidden[:, j], tokens[:, j])`` (``[1, L, dim]``
+        and ``[1, L]``, L <= `MAX_COMPILED_WIDTH`) with its KV caches.
+
+        Returns:
+            The last position's logits ``[vocab]``, its hidden ``M``
+            ``[1, 1, dim]`` and greedy token ``[1, 1]`` int32 (all lazy).
+        """
+        layers = self.head.layers
+        offset = mx.array(cache[0].offset, dtype=mx.int32)
+        x, queries, keys, values, gate = self._enter(hidden, tokens, offset)
+        mask = create_attention_mask(x, cache[0])
+        for j, (layer, c) in enumerate(zip(layers, cache)):
+            keys, values = c.update_and_fetch(keys, values)
+            attended = scaled_dot_product_attention(
+                queries, keys, values, cache=c, scale=layer.self_attn.scale, mask=mask
+            )
+            if j + 1 < len(layers):
+                x, queries, keys, values, gate = self._between[j](x, attended, gate, offset)
+        return self._leave(x, attended, gate)

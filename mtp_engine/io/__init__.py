@@ -1,0 +1,1 @@
+"""Checkpoint folders in and out: weights in the Hub and MLX layouts (`weights`), writing Hub-layout folders (`hub_writer`), `mlx_lm.convert` with the MTP head kept (`convert`), and tiny checkpoints for tests (`tiny`)."""

@@ -1,0 +1,203 @@
+"""Write a Qwen3-Next checkpoint folder in the Hugging Face Hub layout.
+
+Used by the tiny-checkpoint factory (tests, benchmarks) and by the training
+script that makes the shipped model. The folder loads with ``mlx_lm.load``
+and with `MTPEngine.load`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mtp_engine.io.weights import (
+    MTP_PREFIX,
+    files_with_prefix,
+    mlx_to_hub,
+    save_sharded,
+)
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int):
+    """Train a byte-level BPE tokenizer (``tokenizers``) with ChatML specials.
+
+    Args:
+        texts: Training text.
+        vocab_size: Target vocabulary size, specials and the 256 byte symbols
+            included.
+
+    Returns:
+        A ``tokenizers.Tokenizer``.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def write_tokenizer(folder: Path, tokenizer, *, model_max_length: int) -> dict[str, int]:
+    """Save ``tokenizer.json`` and ``tokenizer_config.json`` (ChatML template).
+
+    Returns:
+        Ids of the special tokens by name.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    ids = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "bos_token": None,
+        "unk_token": None,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "chat_template": CHATML_TEMPLATE,
+        "added_tokens_decoder": {
+            str(i): {
+                "content": t,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
+            for t, i in ids.items()
+        },
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    return ids
+
+
+def module_weights(module: nn.Module, prefix: str = "") -> dict[str, mx.array]:
+    """Flat ``{name: array}`` of a module's parameters, names prefixed."""
+    return {prefix + k: v for k, v in tree_flatten(module.parameters())}
+
+
+def write_checkpoint(
+    folder: Path,
+    config: dict,
+    model: nn.Module,
+    head: nn.Module | None,
+    tokenizer,
+    *,
+    dtype: mx.Dtype | None = None,
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Write model, MTP head, config and tokenizer in the Hub layout.
+
+    Args:
+        folder: Destination (created).
+        config: Hub ``config.json`` contents (``model_type: qwen3_next``).
+        model: The mlx-lm ``qwen3_next.Model`` holding the trunk's weights.
+        head: The `MTPHead`, or None to write a checkpoint without one.
+        tokenizer: A ``tokenizers.Tokenizer`` with the ChatML specials.
+        dtype: Cast floating weights to this dtype (default: keep).
+        max_shard_bytes: Shard the weights with an index file.
+
+    Returns:
+        ``folder``.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = module_weights(model)
+    if head is not None:
+        weights.update(module_weights(head, MTP_PREFIX))
+    weights = mlx_to_hub(weights)
+    if dtype is not None:
+        weights = {
+            k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+            for k, v in weights.items()
+        }
+    mx.eval(weights)
+    save_sharded(folder, weights, max_shard_bytes=max_shard_bytes, metadata={"format": "pt"})
+    ids = write_tokenizer(folder, tokenizer, model_max_length=config["max_position_embeddings"])
+    config = dict(config)
+    config.setdefault("eos_token_id", ids[EOS_TOKEN])
+    config.setdefault("bos_token_id", ids[PAD_TOKEN])
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {"eos_token_id": [ids[EOS_TOKEN], ids[PAD_TOKEN]], "do_sample": False}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return folder
+
+
+def replace_mtp_head(source: Path, out: Path, head: nn.Module) -> list[Path]:
+    """Write ``source``'s checkpoint to ``out`` with ``head``'s weights in
+    place of its ``mtp.*`` tensors; every other tensor and file is copied
+    unchanged (byte for byte where the shard holds no head tensor). Files
+    already in ``out`` with the source's size and modification time (as this
+    function copies them) are not copied again, so it can be called
+    repeatedly to save a head during training.
+
+    Each head tensor keeps the dtype it was stored in. Only Hub-layout,
+    full-precision heads can be replaced (quantize after distilling).
+
+    Returns:
+        The weight files that were rewritten.
+
+    Raises:
+        ValueError: The head's tensor names differ from the stored ones, or
+            the stored head is quantized.
+    """
+    import shutil
+
+    source, out = Path(source).resolve(), Path(out).resolve()
+    new = mlx_to_hub(module_weights(head, MTP_PREFIX))
+    stored = files_with_prefix(source, MTP_PREFIX)
+    stored_keys = {k for keys in stored.values() for k in keys}
+    if any(k.endswith((".scales", ".biases")) for k in stored_keys):
+        raise ValueError(f"{source} holds a quantized MTP head; distill the full-precision checkpoint, then quantize")
+    if stored_keys != set(new):
+        missing, extra = sorted(stored_keys - set(new)), sorted(set(new) - stored_keys)
+        raise ValueError(f"head tensors do not match {source}: missing {missing[:5]}, unexpected {extra[:5]}")
+    if out != source:
+        # Everything but the head's shards, once: a run that saves its head
+        # at every evaluation copies a large trunk a single time.
+        for path in sorted(source.rglob("*")):
+            target = out / path.relative_to(source)
+            if path.is_dir() or path in stored:
+                continue
+            here, there = path.stat(), target.stat() if target.exists() else None
+            if there is None or (there.st_size, there.st_mtime_ns) != (here.st_size, here.st_mtime_ns):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, target)
+    written = []
+    staging = out / ".mtp-head-staging"  # outside the folder's *.safetensors glob
+    staging.mkdir(exist_ok=True)
+    for path in stored:
+        arrays, meta = mx.load(str(source / path.name), return_metadata=True)
+        for key in stored[path]:
+            arrays[key] = new[key].astype(arrays[key].dtype)
+        mx.eval(arrays)
+        target = out / path.name
+        tmp = staging / path.name
+        mx.save_safetensors(str(tmp), arrays, metadata=meta or {"format": "pt"})
+        tmp.replace(target)
+        written.append(target)
+    staging.rmdir()
+    return written

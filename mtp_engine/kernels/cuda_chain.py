@@ -1,0 +1,240 @@
+"""A whole chain of MTP drafts in one CUDA kernel launch.
+
+On a GPU a small model's decoding is host-bound: every kernel costs a few
+microseconds of host time (Python building the graph, MLX encoding the
+launch) and the GPU idles between them. A draft step of a small head is
+about fifty kernels even compiled, so a chain of drafts launches about as
+many kernels as the verify forward it feeds.
+
+`ChainKernel` runs the head's whole chain in one launch of one thread block:
+the pending pairs (the accepted tokens against the trunk's true hiddens),
+then K-1 greedy steps, each feeding its token and hidden to the next. The
+block works through each step in phases separated by ``__syncthreads``:
+norms, the ``fc``, the attention projections, RMS-normed queries and keys
+with RoPE, attention over the head's KV cache and the new positions, the
+gated output projection, the MoE block (softmax router, top-k, SwiGLU
+experts, sigmoid-gated shared expert), the final norm, the LM head and an
+argmax. Products are warp-per-output dot products over 16-byte weight
+loads; everything accumulates in float32.
+
+What it keeps: the pending pairs' keys and values come back in the cache's
+dtype and join the head's KV cache (those positions are committed text, as
+with the MLX head); the drafted positions' keys and values live only in
+the kernel's scratch, since the next commit drops them anyway.
+
+Drafts only propose tokens: the verify forward decides every emitted token,
+so this arithmetic (float32 throughout, where the MLX head rounds each op to
+the model's dtype) changes acceptance at most, never the output. The tests
+run this source on the CPU under a small SIMT emulator
+(``tests/mtp_engine/kernels/simt_emu.h``) against the MLX head, and on CUDA
+machines for real (``tests/mtp_engine/drafters/test_cuda_chain.py``).
+
+The source is ``cuda/draft_chain.cu`` (body) and ``cuda/draft_chain.cuh``
+(device helpers); the drafter that launches it is
+`mtp_engine.drafters.cuda_chain`.
+
+It serves one-layer heads with the MoE block and unquantized weights of one
+float dtype, and only where one thread block can stream the head fast
+enough: small heads (see `MAX_STEP_BYTES`). Larger heads keep the MLX head.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mtp_engine.drafters.head_weights import FLOATS, UnsupportedHead, head_weights
+from mtp_engine.model.mtp_head import MTPHead
+
+SOURCES = Path(__file__).parent / "cuda"
+
+MAX_PENDING = 16
+"""Pending pairs the kernel consumes at most; a prompt's head prefill (more
+pairs) runs through the MLX head first, all but its last pair."""
+
+MAX_DRAFTS = 32
+"""Deepest chain the kernel drafts in one launch."""
+
+MAX_STEP_BYTES = 32 << 20
+"""Weight bytes one draft step may read for the kernel to serve the head.
+One block streams them (mostly from L2 after the first step): a small head
+reads a few MB a step; a Qwen3-Next-80B head, whose LM head alone is 600 MB
+in bfloat16, keeps the MLX head."""
+
+THREADS = 512
+"""Threads of the one block (16 warps). MLX's custom kernels cannot declare
+launch bounds, so 1024 threads launch only while the compiler keeps to 64
+registers a thread, which a float32 head exceeds; 512 allows 128 and was
+as fast (docs/BENCHMARKS.md)."""
+
+WEIGHT_ORDER = (
+    "embed", "lm_head", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm",
+    "layers.0.input_layernorm", "layers.0.post_attention_layernorm",
+    "layers.0.q_proj", "layers.0.k_proj", "layers.0.v_proj", "layers.0.o_proj",
+    "layers.0.q_norm", "layers.0.k_norm", "layers.0.router",
+    "layers.0.experts.gate_proj", "layers.0.experts.up_proj", "layers.0.experts.down_proj",
+    "layers.0.shared.gate_proj", "layers.0.shared.up_proj", "layers.0.shared.down_proj",
+    "layers.0.shared_gate",
+)
+"""Head weights in the kernel's argument order (names of `head_weights`)."""
+
+WEIGHT_ARGS = (
+    "embed", "lm_head", "norm_e", "norm_h", "fc", "norm_f", "in_norm", "post_norm",
+    "q_w", "k_w", "v_w", "o_w", "q_norm", "k_norm", "router",
+    "e_gate", "e_up", "e_down", "s_gate", "s_up", "s_down", "s_weight",
+)
+"""The kernel's names for them."""
+
+INPUT_NAMES = ("hidden", "tokens", "meta", "fparams", "inv_freq", "k_cache", "v_cache") + WEIGHT_ARGS
+OUTPUT_NAMES = ("drafts", "new_k", "new_v", "work")
+
+def work_offsets(config: dict) -> dict[str, int]:
+    """Where each scratch buffer of the kernel starts, in floats (the layout
+    at the top of ``cuda/draft_chain.cu``); ``"scores"`` is last and holds ``heads x pmax``."""
+    dim, qo = config["dim"], config["heads"] * config["head_dim"]
+    kvo = config["kv_heads"] * config["head_dim"]
+    ed, sd, topk = config["expert_dim"], config["shared_dim"], config["top_k"]
+    sizes = [
+        ("both", MAX_PENDING * 2 * dim), ("xs", MAX_PENDING * dim), ("as", MAX_PENDING * dim),
+        ("kv", MAX_PENDING * 2 * kvo), ("qg", 2 * qo), ("qs", qo), ("att", qo), ("a2", dim),
+        ("rt", config["experts"]), ("sgate", 4), ("sg", sd), ("su", sd), ("ys", dim),
+        ("eg", topk * ed), ("eu", topk * ed), ("ye", topk * dim), ("mb", dim), ("logits", config["vocab"]),
+        ("knew", (MAX_PENDING + MAX_DRAFTS) * kvo), ("vnew", (MAX_PENDING + MAX_DRAFTS) * kvo), ("part", 32 * qo),
+        ("scores", 0),
+    ]
+    offsets, at = {}, 0
+    for name, size in sizes:
+        offsets[name] = at
+        at += size
+    return offsets
+
+
+def kernel_weights(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> tuple[list[mx.array], dict]:
+    """The kernel's weights (in `WEIGHT_ARGS` order) and configuration.
+
+    Raises:
+        UnsupportedHead: several MTP layers, quantized or mixed-dtype
+            weights, a dense MLP, a scaled or traditional RoPE, widths that
+            are not whole 16-byte loads, or a head too large for one block
+            (`MAX_STEP_BYTES`).
+    """
+    if len(head.layers) != 1:
+        raise UnsupportedHead(f"it has {len(head.layers)} MTP layers; the kernel runs one")
+    named, config = head_weights(head, embed, lm_head, FLOATS)
+    dtypes = {w.dtype for w in named.values()}
+    if len(dtypes) != 1:
+        raise UnsupportedHead(f"its weights mix dtypes ({', '.join(sorted(map(str, dtypes)))})")
+    dtype = dtypes.pop()
+    lanes = 16 // dtype.size
+    widths = (config["dim"], config["heads"] * config["head_dim"], config["expert_dim"], config["shared_dim"])
+    if any(w % lanes for w in widths):
+        raise UnsupportedHead(f"a width of {widths} is not a whole number of 16-byte loads")
+    if config["heads"] % config["kv_heads"] or config["rope_dims"] % 2 or config["top_k"] > config["experts"]:
+        raise UnsupportedHead("its head counts, rotary width or top-k do not fit the kernel")
+    dim = config["dim"]
+    step_bytes = dtype.size * (
+        config["vocab"] * dim + 2 * dim * dim
+        + dim * (2 * config["heads"] + 2 * config["kv_heads"]) * config["head_dim"]
+        + config["heads"] * config["head_dim"] * dim
+        + 3 * dim * (config["top_k"] * config["expert_dim"] + config["shared_dim"])
+    )
+    if step_bytes > MAX_STEP_BYTES:
+        raise UnsupportedHead(f"a draft step reads {step_bytes >> 20} MB, over the kernel's {MAX_STEP_BYTES >> 20} MB")
+    return [mx.contiguous(named[name]) for name in WEIGHT_ORDER], config
+
+
+def header() -> str:
+    """The kernel's device helpers (``cuda/draft_chain.cuh``)."""
+    return (SOURCES / "draft_chain.cuh").read_text()
+
+
+def source() -> str:
+    """The kernel's body (``cuda/draft_chain.cu``)."""
+    return (SOURCES / "draft_chain.cu").read_text()
+
+
+@cache
+def _kernel():
+    return mx.fast.cuda_kernel(
+        name="mtp_draft_chain",
+        input_names=list(INPUT_NAMES),
+        output_names=list(OUTPUT_NAMES),
+        source=source(),
+        header=header(),
+    )
+
+
+class ChainKernel:
+    """The chain kernel bound to one head's weights.
+
+    Args:
+        weights, config: What `kernel_weights` returned. The weights' dtype
+            is also the KV cache's while the cache is empty.
+    """
+
+    def __init__(self, weights: list[mx.array], config: dict):
+        self.weights = weights
+        self.config = config
+        self.dtype = weights[0].dtype
+        self.fixed_work = work_offsets(config)["scores"]  # scratch floats ahead of the score rows
+        c = config
+        half = c["rope_dims"] // 2
+        self.inv_freq = mx.array(
+            [float(c["rope_base"]) ** (-2.0 * i / c["rope_dims"]) for i in range(half)] or [0.0],
+            dtype=mx.float32,
+        )
+        self.fparams = mx.array([c["eps"], c["rope_scale"], 1.0 / math.sqrt(c["head_dim"])], dtype=mx.float32)
+
+    def template(self, hidden_dtype: mx.Dtype, cache_dtype: mx.Dtype) -> list[tuple]:
+        c = self.config
+        return [
+            ("W", self.dtype), ("HT", hidden_dtype), ("CT", cache_dtype),
+            ("DIM", c["dim"]), ("H", c["heads"]), ("KVH", c["kv_heads"]), ("HD", c["head_dim"]),
+            ("RD", c["rope_dims"]), ("V", c["vocab"]), ("E", c["experts"]), ("TOPK", c["top_k"]),
+            ("ED", c["expert_dim"]), ("SD", c["shared_dim"]), ("NORM_TOPK", bool(c["norm_topk"])),
+            ("MAXM", MAX_PENDING), ("MAXK", MAX_DRAFTS),
+        ]
+
+    def arguments(self, hidden: mx.array, tokens: list[int], keys, values, offset: int, k: int):
+        """Inputs, template, output shapes and dtypes of one launch (shared
+        with the tests' emulator)."""
+        c = self.config
+        m = len(tokens)
+        cache_dtype = keys.dtype if keys is not None else self.dtype
+        if keys is None:
+            keys = values = mx.zeros((1, c["kv_heads"], 1, c["head_dim"]), dtype=cache_dtype)
+        pmax = offset + m + k
+        if not 1 <= m <= MAX_PENDING or not 1 <= k <= MAX_DRAFTS:
+            raise ValueError(f"the chain kernel takes 1..{MAX_PENDING} pairs and 1..{MAX_DRAFTS} drafts, "
+                             f"got {m} and {k}")
+        meta = mx.array([offset, m, keys.shape[2], pmax, k], dtype=mx.int32)
+        inputs = [hidden, mx.array(tokens, dtype=mx.int32), meta, self.fparams, self.inv_freq, keys, values]
+        inputs += self.weights
+        shapes = [(k,), (c["kv_heads"], m, c["head_dim"]), (c["kv_heads"], m, c["head_dim"]),
+                  (self.fixed_work + c["heads"] * pmax,)]
+        dtypes = [mx.int32, cache_dtype, cache_dtype, mx.float32]
+        return inputs, self.template(hidden.dtype, cache_dtype), shapes, dtypes
+
+    def __call__(self, hidden: mx.array, tokens: list[int], keys, values, offset: int, k: int):
+        """Launch the chain: ``hidden`` ``[m, dim]`` and ``tokens`` (m pending
+        pairs, m <= `MAX_PENDING`) at positions ``offset..``, over a KV cache
+        (``keys``/``values`` ``[1, kv_heads, cap, head_dim]`` holding
+        ``offset`` entries, or None when empty). Returns the drafts ``[k]``
+        int32 and the pairs' keys and values ``[kv_heads, m, head_dim]``."""
+        inputs, template, shapes, dtypes = self.arguments(hidden, tokens, keys, values, offset, k)
+        drafts, new_k, new_v, _ = _kernel()(
+            inputs=inputs, template=template, grid=(THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+            output_shapes=shapes, output_dtypes=dtypes,
+        )
+        return drafts, new_k, new_v
+
+
+def availability() -> str | None:
+    """None on MLX's CUDA backend, else why the kernel cannot run."""
+    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+        return "not MLX's CUDA backend"
+    return None

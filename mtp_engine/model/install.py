@@ -1,0 +1,81 @@
+"""The engine's layers, installed on a loaded trunk and head in one list.
+
+Each install swaps layers of one model instance for subclasses that share
+their weights (nothing is patched at import). Every entry is a fast path of
+`mtp_engine.options.EngineOptions` except state capture, which speculation
+needs; all of them give the tokens mlx-lm's layers give (docs/BACKENDS.md).
+Run it after the last change to the weights (cast, quantization): compiled
+layers and the CPU recurrence's choice read them as they are.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mtp_engine.kernels import cpu_activations, recurrence
+from mtp_engine.model.activations import install_fast_activations
+from mtp_engine.model.compiled import install_compiled_layers
+from mtp_engine.model.gated_delta import gated_delta_layers, install_state_capture
+from mtp_engine.model.moe import install_moe_blocks
+from mtp_engine.model.rowwise import install_rowwise_linears
+from mtp_engine.options import EngineOptions, FastPathStatus
+
+
+def decide(name: str, wanted: bool | None, default: bool, why_not: str | None, on: str) -> FastPathStatus:
+    """The status of one fast path: ``wanted`` (None: ``default``), and when
+    wanted, ``why_not`` (None when it can run) or ``on`` (what it does)."""
+    if wanted is None:
+        wanted = default
+        if not wanted:
+            return FastPathStatus(name, "off", "the default on this backend")
+    if not wanted:
+        return FastPathStatus(name, "off", "by choice")
+    if why_not is not None:
+        return FastPathStatus(name, "unavailable", why_not)
+    return FastPathStatus(name, "on", on)
+
+
+def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOptions) -> list[FastPathStatus]:
+    """Install the engine's layers on ``model`` (mlx-lm's Qwen3-Next) and
+    ``head`` (its `MTPHead`) as ``options`` say; returns what each
+    layer-level fast path ended up as."""
+    on_cpu = mx.default_device() == mx.cpu
+    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    statuses = []
+
+    act = decide("cpu_activations", options.cpu_activations, True, cpu_activations.availability() if on_cpu
+                 else "not MLX's CPU backend", "SiLU, sigmoid, softmax vectorized")
+    statuses.append(act)
+
+    layers = gated_delta_layers(model)
+    path, why = (recurrence.MLX_OPS, "the model has no gated-delta layers")
+    if layers:
+        path, why = recurrence.select(layers[0], options.cuda_recurrence, options.cpu_recurrence)
+    install_state_capture(model, path, fast_silu=act.state == "on")
+    statuses.append(decide("cuda_recurrence", options.cuda_recurrence, True,
+                           None if path == recurrence.CUDA_KERNEL else why if on_cuda else "not MLX's CUDA backend",
+                           "one launch per layer and forward"))
+    statuses.append(decide("cpu_recurrence", options.cpu_recurrence, True,
+                           None if path == recurrence.CPU_PRIMITIVE else why if on_cpu else "not MLX's CPU backend",
+                           "one primitive per layer and forward"))
+    capture = "per-token states, commit is a lookup" if layers else "nothing to capture (no gated-delta layers)"
+    statuses.append(decide("state_capture", options.state_capture, True, None, capture))
+
+    statuses.append(decide("contiguous_moe", options.contiguous_moe, True, None, "routing indices copied once"))
+    if options.contiguous_moe:
+        install_moe_blocks(model, head)
+
+    rowwise = decide("rowwise_linears", options.rowwise_linears, on_cuda, None, "few-row dense products row by row")
+    statuses.append(rowwise)
+    if rowwise.state == "on":
+        install_rowwise_linears(model, head)
+
+    if act.state == "on":
+        install_fast_activations(model, head)
+
+    compiled = decide("compile_layers", options.compile_layers, on_cpu, None, "decode and verify widths up to 16")
+    statuses.append(compiled)
+    if compiled.state == "on":
+        install_compiled_layers(model, head)
+    return statuses

@@ -1,0 +1,195 @@
+"""Every fast-path switch of the engine, in one validated dataclass.
+
+A fast path replaces an MLX or mlx-lm operation with a faster one that gives
+the same tokens (``docs/BACKENDS.md`` lists each, what it replaces and the
+test that proves it exact). `EngineOptions` holds one switch per fast path;
+``MTPEngine.load(path, options=...)``, the engine and ``python -m jobs
+--fast-path NAME=VALUE`` take it. A switch left at its default means "on
+wherever it is available"; the engine reports what each one ended up as
+(`FastPathStatus`), and a job logs that at start.
+
+The environment variables below are the only ones the package reads. Each
+maps onto the default of one field (`EngineOptions.from_env`); nothing else
+reads ``os.environ``. This module imports no MLX (``import mtp_engine`` reads
+``MTP_CPU_BLAS`` before MLX is imported).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+
+ENVIRONMENT: dict[str, tuple[str, str]] = {
+    # name: (EngineOptions field, what it does)
+    "MTP_CPU_BLAS": ("cpu_blas", "0: leave MLX's CPU matmuls on the BLAS MLX bundles. Read when "
+                                 "mtp_engine is imported (the route is set up before MLX loads)."),
+    "MTP_FEW_ROWS": ("few_rows", "products of at most this many rows take the few-row kernel (0: none)"),
+    "MTP_CPU_RECURRENCE": ("cpu_recurrence", "0: mlx-lm's ops for the gated-delta recurrence on the CPU"),
+    "MTP_CPU_ACTIVATIONS": ("cpu_activations", "0: MLX's own SiLU, sigmoid and softmax on the CPU"),
+    "MTP_CPP_DRAFTER": ("cpp_drafter", "0: draft with the MLX head instead of the C++ head on the CPU"),
+}
+
+CUDNN_ATTENTION = "MLX_CUDA_USE_CUDNN_SDPA"
+"""MLX's own switch for cuDNN attention on CUDA, which `apply_process_settings`
+sets from `EngineOptions.cudnn_attention` unless the user set it."""
+
+_TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def parse_bool(name: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name} must be one of {'/'.join(_TRUE + _FALSE)}, got {text!r}")
+
+
+def env_flag(name: str, default: bool = True) -> bool:
+    """A declared boolean environment variable (see `ENVIRONMENT`)."""
+    if name not in ENVIRONMENT:
+        raise KeyError(f"{name} is not a declared environment variable")
+    text = os.environ.get(name)
+    return default if text is None or text == "" else parse_bool(name, text)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Fast-path switches. None means "the backend's default" (given with
+    each field); True or False forces it (a forced path that cannot run is
+    reported unavailable, never an error).
+
+    Attributes:
+        cpu_blas: MLX's CPU sgemm through the few-row kernel and OpenBLAS
+            (process-wide; ``native/cpu_blas.c``).
+        few_rows: Most rows a product may have to take the few-row kernel.
+        cpu_recurrence: The gated-delta recurrence over T tokens as one MLX
+            CPU primitive (``native/cpu_recurrence.cpp``).
+        cpu_activations: MLX's float32 SiLU, sigmoid and softmax vectorized
+            (``native/cpu_activations.cpp``).
+        cpp_drafter: Chain and adaptive drafts with the C++ head on the CPU
+            backend (``native/cpp_drafter.cpp``).
+        cpp_drafter_on_gpu: On a GPU, draft with the C++ head on the host CPU
+            while the GPU verifies (pays only for small heads).
+        cuda_recurrence: The gated-delta recurrence over T tokens in one CUDA
+            launch (``kernels/cuda/gated_delta_tokens.cu``).
+        cuda_chain_drafter: A whole chain of drafts in one CUDA launch
+            (``kernels/cuda/draft_chain.cu``), for small one-layer MoE heads.
+        compile_layers: Compiled decoder layers (None: on the CPU backend).
+        compile_head: The MLX head's draft forward compiled (None: where the
+            head's RoPE allows it).
+        rowwise_linears: Few-row dense products as batched matrix-vector
+            products (None: on CUDA).
+        contiguous_moe: MoE routing indices made contiguous once per block.
+        state_capture: Verify forwards record per-token recurrent states, so
+            a commit is a lookup; False snapshots and replays instead.
+        cudnn_attention: cuDNN's fused attention on CUDA (MLX's default);
+            off by default, see docs/BACKENDS.md.
+    """
+
+    cpu_blas: bool = True
+    few_rows: int = 32
+    cpu_recurrence: bool = True
+    cpu_activations: bool = True
+    cpp_drafter: bool = True
+    cpp_drafter_on_gpu: bool = False
+    cuda_recurrence: bool = True
+    cuda_chain_drafter: bool = True
+    compile_layers: bool | None = None
+    compile_head: bool | None = None
+    rowwise_linears: bool | None = None
+    contiguous_moe: bool = True
+    state_capture: bool = True
+    cudnn_attention: bool = False
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "few_rows":
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 256:
+                    raise ValueError(f"few_rows must be an int in 0..256, got {value!r}")
+            elif f.type == "bool | None":
+                if value is not None and not isinstance(value, bool):
+                    raise ValueError(f"{f.name} must be True, False or None, got {value!r}")
+            elif not isinstance(value, bool):
+                raise ValueError(f"{f.name} must be True or False, got {value!r}")
+
+    @classmethod
+    def from_env(cls, **overrides) -> "EngineOptions":
+        """Defaults, then the declared environment variables, then ``overrides``."""
+        values: dict = {}
+        for name, (field_name, _) in ENVIRONMENT.items():
+            text = os.environ.get(name)
+            if text is None or text == "":
+                continue
+            if field_name == "few_rows":
+                try:
+                    values[field_name] = int(text)
+                except ValueError:
+                    raise ValueError(f"{name} must be an integer, got {text!r}") from None
+            else:
+                values[field_name] = parse_bool(name, text)
+        return cls(**values).with_switches(**overrides)
+
+    def with_switches(self, **switches) -> "EngineOptions":
+        """A copy with some switches changed; unknown names are a ValueError
+        (the older keyword names in `RENAMED` are taken too)."""
+        switches = {RENAMED.get(k, k): v for k, v in switches.items()}
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(switches) - known)
+        if unknown:
+            raise ValueError(f"unknown fast-path switch {unknown[0]!r}; choose from {', '.join(sorted(known))}")
+        return replace(self, **switches)
+
+    @classmethod
+    def parse_switch(cls, text: str) -> tuple[str, object]:
+        """``NAME=VALUE`` (the CLI's ``--fast-path``) as a field and a value:
+        on/off/true/false/1/0 for switches, ``auto`` for the backend
+        default of the None-able ones, an integer for ``few_rows``."""
+        name, sep, value = text.partition("=")
+        name = name.strip().replace("-", "_")
+        types = {f.name: f.type for f in fields(cls)}
+        if not sep or name not in types:
+            raise ValueError(f"--fast-path takes NAME=VALUE with NAME one of {', '.join(types)}; got {text!r}")
+        if name == "few_rows":
+            try:
+                return name, int(value)
+            except ValueError:
+                raise ValueError(f"few_rows must be an integer, got {value!r}") from None
+        if types[name] == "bool | None" and value.strip().lower() == "auto":
+            return name, None
+        return name, parse_bool(name, value)
+
+
+RENAMED = {"use_checkpoints": "state_capture", "host_drafts": "cpp_drafter_on_gpu", "draft_kernel": "cuda_chain_drafter"}
+"""Keyword names the engine took before `EngineOptions` existed."""
+
+
+@dataclass(frozen=True)
+class FastPathStatus:
+    """What one fast path ended up as in a loaded engine.
+
+    Attributes:
+        name: The `EngineOptions` field.
+        state: "on", "off" (by choice, or the backend's default) or
+            "unavailable" (wanted, but it cannot run here).
+        detail: What it does here, or why it is off or unavailable.
+    """
+
+    name: str
+    state: str
+    detail: str = ""
+
+    def line(self) -> str:
+        return f"fast path {self.name}: {self.state}" + (f" ({self.detail})" if self.detail else "")
+
+
+def cudnn_attention_on() -> bool:
+    """Whether MLX's CUDA backend uses cuDNN attention (its own default: on)."""
+    return os.environ.get(CUDNN_ATTENTION, "1") != "0"
+
+
+def apply_process_settings(options: EngineOptions) -> None:
+    """Settings MLX reads from the environment once, before its first kernel:
+    cuDNN attention on CUDA (a value the user exported is kept)."""
+    os.environ.setdefault(CUDNN_ATTENTION, "1" if options.cudnn_attention else "0")

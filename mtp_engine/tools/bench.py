@@ -1,0 +1,579 @@
+"""Benchmarks, measured side by side in one process.
+
+``python -m mtp_engine.bench`` (``make bench``) times plain greedy decoding
+(the engine's ``baseline`` and mlx-lm's own ``generate_step``) and every
+speculative mode on the same prompts, interleaved round-robin so drift hits
+all modes alike, checks every mode's tokens against baseline, fits a cost
+model (forward time by width, MTP step time, predicted speedup and engine
+efficiency) and measures dataset throughput of the batch mode.
+
+``--synthetic 80b`` benchmarks costs at real scale on random 4-bit weights
+with the Qwen3-Next-80B-A3B shapes (acceptance there means nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+import orjson
+from mlx_lm.generate import generate_step
+
+from mtp_engine.batch import BatchDecoder
+from mtp_engine.cache.capture import StateCaptureCache, make_main_cache
+from mtp_engine.engine import MTPEngine
+from mtp_engine.kernels import cpu_blas
+from mtp_engine.model.compiled import CompiledDecoderLayer
+from mtp_engine.model.gated_delta import recurrence_path
+from mtp_engine.model.rowwise import RowwiseLinear
+from mtp_engine.options import EngineOptions
+from mtp_engine.tools.synthetic import (
+    qwen3_next_80b_config,
+    random_quantized_checkpoint,
+)
+
+DEFAULT_MODEL = "models/qwen3-next-tiny-stdlib"
+DEFAULT_PROMPTS = "examples/prompts.jsonl"
+
+# name -> generate() keyword arguments; "mlx_lm" is mlx-lm's generate_step.
+MODE_SPECS = {
+    "baseline": dict(mode="baseline"),
+    "mlx_lm": None,
+    "chain-k2": dict(mode="chain", draft_tokens=2),
+    "chain-k3": dict(mode="chain", draft_tokens=3),
+    "chain-k4": dict(mode="chain", draft_tokens=4),
+    "chain-k6": dict(mode="chain", draft_tokens=6),
+    # The same chains drafted by the MLX head, where the C++ head (CPU) or the
+    # chain kernel (CUDA) is the default.
+    "chain-k4-mlxdraft": dict(mode="chain", draft_tokens=4, drafter="mlx"),
+    "chain-k6-mlxdraft": dict(mode="chain", draft_tokens=6, drafter="mlx"),
+    # In OPTIONAL_MODES (not the default run): the MLX head without
+    # compilation, and deeper chains (which pay where drafts are cheap: the
+    # chain kernel on CUDA).
+    "chain-k4-eagerhead": dict(mode="chain", draft_tokens=4, drafter="mlx-eager"),
+    "chain-k6-eagerhead": dict(mode="chain", draft_tokens=6, drafter="mlx-eager"),
+    "chain-k8": dict(mode="chain", draft_tokens=8),
+    "chain-k8-mlxdraft": dict(mode="chain", draft_tokens=8, drafter="mlx"),
+    "chain-k10": dict(mode="chain", draft_tokens=10),
+    "chain-k12": dict(mode="chain", draft_tokens=12),
+    "chain-k15": dict(mode="chain", draft_tokens=15),
+    "adaptive-k5": dict(mode="adaptive", draft_tokens=5, tau=0.5),
+    "tree-k3": dict(mode="tree", draft_tokens=3),
+    "adaptive_tree-k5": dict(mode="adaptive_tree", draft_tokens=5, tau=0.5),
+    "paths-k3-p2": dict(mode="paths", draft_tokens=3, paths=2),
+    "paths-k3-p3": dict(mode="paths", draft_tokens=3, paths=3),
+}
+
+OPTIONAL_MODES = (
+    "chain-k4-eagerhead", "chain-k6-eagerhead", "chain-k8", "chain-k8-mlxdraft", "chain-k10", "chain-k12", "chain-k15",
+)
+"""Specs only ``--modes`` asks for."""
+DEFAULT_MODES = tuple(n for n in MODE_SPECS if n not in OPTIONAL_MODES)
+"""What ``make bench`` times."""
+
+
+@dataclass
+class ModeTotals:
+    name: str
+    params: dict | None
+    tokens: int = 0
+    seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_tokens: int = 0
+    steps: int = 0
+    accepted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    identical: int = 0
+    compared: int = 0
+    peak_memory: int = 0
+    outputs: dict = field(default_factory=dict)
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+    def row(self, baseline: "ModeTotals | None") -> dict:
+        tps = self.tokens / self.seconds if self.seconds else 0.0
+        base_tps = baseline.tokens / baseline.seconds if baseline and baseline.seconds else None
+        base_dtps = baseline.decode_tps if baseline else None
+        return {
+            "mode": self.name,
+            "params": self.params,
+            "tokens_per_s": round(tps, 2),
+            "decode_tokens_per_s": round(self.decode_tps, 2) if self.decode_seconds else None,
+            "speedup": round(tps / base_tps, 3) if base_tps else None,
+            "decode_speedup": round(self.decode_tps / base_dtps, 3) if base_dtps and self.decode_seconds else None,
+            "acceptance_length": round((self.accepted + self.steps) / self.steps, 3) if self.steps else None,
+            "identical": self.identical == self.compared,
+            "identical_count": f"{self.identical}/{self.compared}",
+            "draft_share": round(self.draft_s / self.decode_seconds, 3) if self.decode_seconds and self.steps else None,
+            "verify_share": round(self.verify_s / self.decode_seconds, 3) if self.decode_seconds and self.steps else None,
+            "peak_memory_gb": round(self.peak_memory / 2**30, 3),
+        }
+
+
+def machine_info() -> dict:
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "device": str(mx.default_device()),
+        "mlx": mx.__version__,
+    }
+    if mx.default_device() == mx.cpu:
+        info["blas"] = cpu_blas.active()
+        if (rows := cpu_blas.few_rows()) is not None:
+            info["blas_few_rows"] = rows
+    try:
+
+        info["mlx_lm"] = mlx_lm.__version__
+    except Exception:
+        pass
+    if mx.default_device() == mx.gpu:
+        try:
+            info["gpu"] = mx.device_info().get("device_name") if hasattr(mx, "device_info") else None
+        except Exception:
+            pass
+    return info
+
+
+def mlx_lm_generate(engine: MTPEngine, ids: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's own greedy decoding of the same model (no EOS handling)."""
+    eos = engine.eos_token_ids
+    out = []
+    for token, _ in generate_step(mx.array(ids), engine.model, max_tokens=max_tokens):
+        if token in eos:
+            break
+        out.append(int(token))
+    return out
+
+
+def run_modes(
+    engine, prompts: list[list[int]], names: list[str], max_tokens: int, rounds: int, log, warmup: bool = True
+) -> dict:
+    totals = {n: ModeTotals(n, MODE_SPECS[n]) for n in names}
+    if warmup:
+        # Every path once first (kernel compilation, allocator caches).
+        for n in names:
+            _run_one(engine, prompts[0], n, min(max_tokens, 16))
+    for r in range(rounds):
+        for i, ids in enumerate(prompts):
+            order = names[i % len(names):] + names[: i % len(names)]
+            for n in order:
+                mx.reset_peak_memory()
+                t = time.perf_counter()
+                result = _run_one(engine, ids, n, max_tokens)
+                elapsed = time.perf_counter() - t
+                tot = totals[n]
+                tot.peak_memory = max(tot.peak_memory, mx.get_peak_memory())
+                tot.seconds += elapsed
+                if n == "mlx_lm":
+                    tokens = result
+                    tot.tokens += len(tokens)
+                else:
+                    tokens = result.tokens
+                    s = result.stats
+                    tot.tokens += len(tokens)
+                    tot.decode_seconds += s.decode_s
+                    tot.decode_tokens += max(len(tokens) - 1, 0)
+                    tot.steps += s.steps if n != "baseline" else 0
+                    tot.accepted += s.accepted
+                    tot.draft_s += s.draft_s
+                    tot.verify_s += s.verify_s
+                if r == 0:
+                    tot.outputs[i] = tokens
+        log(f"round {r + 1}/{rounds} done")
+    base = totals.get("baseline")
+    for tot in totals.values():
+        for i, tokens in tot.outputs.items():
+            if base is not None:
+                tot.compared += 1
+                tot.identical += tokens == base.outputs[i]
+    return totals
+
+
+def _run_one(engine, ids, name, max_tokens):
+    if name == "mlx_lm":
+        return mlx_lm_generate(engine, ids, max_tokens)
+    return engine.generate(ids, max_tokens=max_tokens, **MODE_SPECS[name])
+
+
+def forward_costs(engine: MTPEngine, context: list[int], widths: list[int], repeats: int = 20) -> dict:
+    """Seconds of a verify forward (capturing states) over T tokens, and of one
+    MTP draft step, after a prefill of ``context`` (medians of ``repeats``)."""
+    model = engine.model
+    caches = prefilled_caches(engine, context)
+    out = {}
+    for width in widths:
+        verify_forward(engine, caches, width)
+        out[width] = _median_seconds(lambda: verify_forward(engine, caches, width), repeats)
+    n = min(64, len(context))
+    hidden = model.model(mx.array(context[-n:])[None], cache=make_main_cache(model))
+    pairs = context[len(context) - n + 1 :] + [7]
+    h1 = hidden[:, -1:]
+    drafter = engine.drafter_for("chain")
+    kind = drafter.name
+    out = {"verify_s": out, "drafter": kind}
+    if drafter is engine.drafters.cpp:  # one pair in, one draft out, is one step
+        state = drafter.new_state()
+        drafter.set_pending(state, hidden, pairs)
+        drafter.draft(state, 1)
+        h1 = mx.contiguous(h1)
+        mx.eval(h1)
+
+        def native_step():
+            state.session.draft(h1, [7], 1)
+            state.session.rewind(state.base)
+
+        native_step()
+        out["mtp_step_s"] = _median_seconds(native_step, repeats)
+    else:
+        out["mtp_step_s"] = _median_seconds(mlx_draft_step(engine.drafters.mlx, hidden, pairs, h1), repeats)
+    if engine.drafters.mlx_eager is not engine.drafters.mlx and drafter is not engine.drafters.cpp:
+        out["mtp_step_eager_s"] = _median_seconds(mlx_draft_step(engine.drafters.mlx_eager, hidden, pairs, h1), repeats)
+    if drafter is engine.drafters.cuda:
+        out["kernel_chain_s"] = {
+            k: _median_seconds(chain_draft(drafter, hidden, pairs, h1, k), repeats) for k in range(1, max(widths))
+        }
+    return out
+
+
+def chain_draft(drafter, hidden: mx.array, pairs: list[int], h1: mx.array, k: int):
+    """A callable that drafts a chain of ``k`` from one pending pair (tokens
+    read back, the head's cache rewound) with an `MLXDrafter` (the MLX head,
+    or the CUDA chain kernel's `CudaChainDrafter`), after the head consumed
+    ``pairs``; it is called once here, as a warm-up."""
+    state = drafter.new_state()
+    drafter.set_pending(state, hidden, pairs)
+    drafter.draft(state, 1).tolist()
+    base = state.base
+
+    def chain():
+        drafter.rewind(state, base)
+        drafter.set_pending(state, h1, [7])
+        drafter.draft(state, k).tolist()
+
+    chain()
+    return chain
+
+
+def mlx_draft_step(drafter, hidden: mx.array, pairs: list[int], h1: mx.array):
+    """A callable that runs one MLX draft step (a pair in, its greedy token
+    read back, the head's cache rewound), after the head consumed ``pairs``
+    (their hiddens ``hidden``); it is called once here, as a warm-up."""
+    state = drafter.new_state()
+    drafter.set_pending(state, hidden, pairs)
+    drafter.first_step(state)
+
+    def step():
+        logits, _ = drafter.step(state, h1, 7)
+        int(mx.argmax(logits))
+        drafter.rewind(state, state.base)
+
+    step()
+    return step
+
+
+def prefilled_caches(engine: MTPEngine, context: list[int], chunk: int = 2048) -> list:
+    """Fresh engine caches with ``context`` prefilled, ``chunk`` tokens a
+    forward (the cost probes' starting point)."""
+    caches = make_main_cache(engine.model)
+    for start in range(0, len(context), chunk):
+        engine.model.model(mx.array(context[start : start + chunk])[None], cache=caches)
+        mx.eval([c.state for c in caches])
+    return caches
+
+
+def verify_forward(engine: MTPEngine, caches: list, width: int) -> tuple[float, float]:
+    """One verify forward over ``width`` tokens on ``caches`` (capturing
+    states, logits of every token), evaluated, then rolled back.
+
+    Returns:
+        Seconds of host graph building (up to the lazy logits) and of the
+        evaluation.
+    """
+    for c in caches:
+        if isinstance(c, StateCaptureCache):
+            c.begin_capture()
+    t0 = time.perf_counter()
+    logits = engine.lm_head(engine.model.model(mx.array([[7] * width]), cache=caches))
+    t1 = time.perf_counter()
+    mx.eval(logits, [c.state for c in caches])
+    t2 = time.perf_counter()
+    for c in caches:
+        if c.is_trimmable():
+            c.trim(width)
+        else:
+            c.clear_captured()
+    return t1 - t0, t2 - t1
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` (each call ends in a sync), so a stray
+    stall (a new trace, a collection, a neighbour on a shared machine) does
+    not move the figure."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def cost_model(costs: dict, rows: list[dict], totals: dict | None = None) -> dict:
+    """Predicted chain speedups from forward costs and measured acceptance;
+    with ``totals``, the share of a decode step the engine adds on top of
+    its forwards (overhead)."""
+    v = costs["verify_s"]
+    t1 = v[1]
+    out = {
+        "forward_ratio": {str(t): round(s / t1, 3) for t, s in v.items()},
+        "forward_1_ms": round(t1 * 1e3, 3),
+        "mtp_step_ratio": round(costs["mtp_step_s"] / t1, 3),
+        "chain_drafter": costs.get("drafter", "mlx"),
+        "predicted": [],
+    }
+    if "mtp_step_eager_s" in costs:
+        out["mtp_step_eager_ratio"] = round(costs["mtp_step_eager_s"] / t1, 3)
+    kernel = costs.get("kernel_chain_s")
+    if kernel:
+        out["kernel_chain_ratio"] = {str(k): round(s / t1, 3) for k, s in kernel.items()}
+    for row in rows:
+        p = row["params"] or {}
+        drafter = p.get("drafter", "auto")
+        if p.get("mode") != "chain" or not row["acceptance_length"]:
+            continue
+        k = p["draft_tokens"]
+        if drafter == "mlx-eager" and "mtp_step_eager_s" in costs:
+            drafts = k * costs["mtp_step_eager_s"]
+        elif drafter == "auto" and kernel:
+            if k not in kernel:
+                continue
+            drafts = kernel[k]
+        elif drafter == "auto" or (drafter == "mlx" and costs.get("drafter") == "cuda"):
+            drafts = k * costs["mtp_step_s"]
+        else:
+            continue  # the cost model times the default chain drafter, the MLX heads and the kernel
+        step = drafts + v.get(k + 1, t1)
+        predicted = row["acceptance_length"] * t1 / step
+        measured = row["decode_speedup"]
+        entry = {
+            "mode": row["mode"],
+            "predicted_speedup": round(predicted, 3),
+            "measured_speedup": measured,
+            "efficiency": round(measured / predicted, 3) if measured else None,
+        }
+        tot = (totals or {}).get(row["mode"])
+        if tot is not None and tot.steps:
+            measured_step = tot.decode_seconds / tot.steps
+            entry["step_ms"] = round(measured_step * 1e3, 3)
+            entry["forwards_ms"] = round(step * 1e3, 3)
+            entry["overhead_share"] = round(max(measured_step - step, 0.0) / measured_step, 3)
+        out["predicted"].append(entry)
+    return out
+
+
+def batch_throughput(engine, prompts, max_tokens: int, sizes: list[int]) -> list[dict]:
+    """Tokens/s over the whole prompt set with continuous batching, each
+    size after an untimed warm-up (one batch of ``size`` prompts, a few
+    tokens): the first batch of a size meets new shapes, and on a GPU new
+    kernels to compile."""
+    out = []
+    for size in sizes:
+        try:
+            _drain(engine, prompts[:size], min(max_tokens, 8), size)
+            tokens, elapsed = _drain(engine, prompts, max_tokens, size)
+        except RuntimeError as e:  # a backend failure at one size loses only that size
+            out.append({"mode": f"batch-b{size}", "tokens_per_s": None, "error": f"{type(e).__name__}: {e}"})
+            continue
+        out.append({"mode": f"batch-b{size}", "tokens_per_s": round(tokens / elapsed, 2), "tokens": tokens})
+    return out
+
+
+def _drain(engine, prompts, max_tokens: int, size: int) -> tuple[int, float]:
+
+    decoder = BatchDecoder(engine, size)
+    t = time.perf_counter()
+    pending = list(enumerate(prompts))
+    tokens = 0
+    try:
+        while pending or decoder.pending:
+            while pending and decoder.pending < size:
+                i, ids = pending.pop(0)
+                decoder.add(i, ids, max_tokens=max_tokens)
+            for _, result in decoder.step():
+                tokens += len(result.tokens)
+    finally:
+        decoder.close()
+    return tokens, time.perf_counter() - t
+
+
+def add_fast_path_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--fast-path", action="append", default=[], metavar="NAME=VALUE",
+                        help="set an engine fast path (repeatable), e.g. compile_layers=off, "
+                        "rowwise_linears=on, cpp_drafter_on_gpu=on (docs/BACKENDS.md)")
+
+
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The fast-path switches of ``--fast-path``, over the environment's;
+    a bad one ends the process with the reason and exit status 2."""
+    try:
+        return EngineOptions.from_env(**dict(EngineOptions.parse_switch(t) for t in args.fast_path))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def load_engine(model: str, dtype: str | None, options: EngineOptions) -> MTPEngine:
+    """The engine for a command-line tool; a bad folder or dtype ends the
+    process with the reason and exit status 2, not a traceback."""
+    try:
+        return MTPEngine.load(model, dtype=dtype, options=options)
+    except (OSError, ValueError) as e:  # missing folder, bad checkpoint or dtype
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def read_prompts(engine, path: str, limit: int, context: int | None) -> list[list[int]]:
+    rows = [orjson.loads(line) for line in Path(path).read_bytes().splitlines() if line.strip()]
+    prompts = [engine.encode(r["prompt"]) for r in rows[:limit]]
+    if context:
+        # Pad each prompt with earlier held-out text up to `context` tokens.
+        filler = [t for r in rows for t in engine.encode(r["prompt"] + r.get("reference", ""))]
+        filler = filler * (context // max(len(filler), 1) + 1)
+        prompts = [(filler[: context - len(p)] + p) if len(p) < context else p[-context:] for p in prompts]
+    return prompts
+
+
+def print_table(report: dict, log) -> None:
+    log(f"{'mode':<18}{'tok/s':>9}{'speedup':>9}{'dec tok/s':>10}{'dec x':>7}{'accept':>8}{'ident':>7}{'draft%':>8}{'verify%':>8}{'peakGB':>8}")
+    for r in report["results"]:
+        al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
+        ds = f"{100 * r['draft_share']:.0f}" if r["draft_share"] is not None else "-"
+        vs = f"{100 * r['verify_share']:.0f}" if r["verify_share"] is not None else "-"
+        dt = f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] else "-"
+        dx = f"{r['decode_speedup']:.2f}" if r["decode_speedup"] else "-"
+        log(f"{r['mode']:<18}{r['tokens_per_s']:>9.1f}{r['speedup'] or 0:>9.2f}{dt:>10}{dx:>7}{al:>8}"
+            f"{'yes' if r['identical'] else 'NO':>7}{ds:>8}{vs:>8}{r['peak_memory_gb']:>8.2f}")
+    cm = report.get("cost_model")
+    if cm:
+        log(f"cost model: forward(T)/forward(1) = {cm['forward_ratio']}, MTP step = {cm['mtp_step_ratio']} x forward(1) ({cm.get('chain_drafter', 'mlx')} drafter)"
+            + (f", {cm['mtp_step_eager_ratio']} with the eager MLX head" if "mtp_step_eager_ratio" in cm else "")
+            + (f", chain kernel (K drafts)/forward(1) = {cm['kernel_chain_ratio']}" if "kernel_chain_ratio" in cm else "")
+            + f", forward(1) = {cm['forward_1_ms']} ms")
+        for p in cm["predicted"]:
+            extra = f", step {p['step_ms']} ms of which forwards {p['forwards_ms']} ms, overhead {100 * p['overhead_share']:.0f}%" if "step_ms" in p else ""
+            log(f"  {p['mode']}: predicted {p['predicted_speedup']}x, measured {p['measured_speedup']}x, efficiency {p['efficiency']}{extra}")
+    for b in report.get("dataset_throughput", []):
+        log(f"dataset throughput {b['mode']}: " + (f"{b['tokens_per_s']} tok/s" if b["tokens_per_s"] else b["error"]))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mtp_engine.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--prompts", default=DEFAULT_PROMPTS)
+    parser.add_argument("--limit", type=int, default=12, help="prompts to time")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--modes", nargs="+", default=list(DEFAULT_MODES), choices=list(MODE_SPECS))
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the prompts")
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 16, 32])
+    parser.add_argument("--context", type=int, default=None, help="pad prompts to this many tokens")
+    parser.add_argument("--synthetic", choices=["80b", "80b-small"], help="random 4-bit model of these shapes")
+    parser.add_argument("--dtype", default=None, help="cast weights (float32, bfloat16, float16)")
+    parser.add_argument("--contexts", type=int, nargs="*", help="repeat the suite at these context lengths")
+    parser.add_argument("--batch-limit", type=int, default=None, help="prompts for batch throughput (default --limit)")
+    parser.add_argument("--time-budget", type=float, default=None, help="seconds; later contexts are skipped past it")
+    parser.add_argument("--json", help="write the report here")
+    add_fast_path_option(parser)
+    args = parser.parse_args(argv)
+    log = lambda m: print(m, flush=True)
+
+    if args.synthetic:
+
+        # "80b-small": the same structure scaled down, a smoke test of the suite.
+        overrides = {} if args.synthetic == "80b" else dict(
+            num_hidden_layers=4, num_experts=16, hidden_size=512, vocab_size=4096,
+            linear_num_key_heads=4, linear_num_value_heads=8, num_attention_heads=4,
+        )
+        engine = MTPEngine(random_quantized_checkpoint(
+            qwen3_next_80b_config(**overrides), options=engine_options(args)))
+        model_name = f"synthetic {args.synthetic} (random 4-bit weights)"
+    else:
+        engine = load_engine(args.model, args.dtype, engine_options(args))
+        model_name = args.model
+    started = time.perf_counter()
+    compiled = any(isinstance(layer, CompiledDecoderLayer) for layer in engine.model.layers)
+    rowwise = any(isinstance(m, RowwiseLinear) for _, m in engine.model.named_modules())
+    report = {"model": model_name, "machine": machine_info(), "compiled_layers": compiled,
+              "rowwise_linears": rowwise,
+              "fast_paths": [status.line() for status in engine.fast_paths],
+              "recurrence": recurrence_path(engine.model), "runs": []}
+    log(f"{model_name} on {report['machine']['device']}"
+        + (f", BLAS: {report['machine']['blas']}" if "blas" in report["machine"] else "")
+        + f", recurrence: {report['recurrence']}, row-by-row few-row products: {'on' if rowwise else 'off'}")
+    for i, context in enumerate(args.contexts or [args.context]):
+        if args.time_budget and time.perf_counter() - started > args.time_budget:
+            log(f"time budget spent; skipping context {context}")
+            continue
+        run = suite(engine, args, context, log, first=i == 0)
+        report["runs"].append(run)
+        print_table(run, log)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(_flat(report), indent=2))
+    return 0
+
+
+def _flat(report: dict) -> dict:
+    """One context: results, cost_model, settings and dataset_throughput at
+    the top level; several: a "runs" list of those."""
+    if len(report["runs"]) != 1:
+        return report
+    return {k: v for k, v in report.items() if k != "runs"} | report["runs"][0]
+
+
+LONG_CONTEXT_MODES = ("baseline", "chain-k3", "tree-k3")
+
+
+def suite(engine, args, context: int | None, log, first: bool = True) -> dict:
+    """One side-by-side run at one context length. After the first context,
+    only `LONG_CONTEXT_MODES`, one prompt, no batch throughput (each run
+    there is dominated by prefilling the context)."""
+    modes = args.modes if first else [m for m in args.modes if m in LONG_CONTEXT_MODES]
+    limit = args.limit if first else 1
+    prompts = read_prompts(engine, args.prompts, limit, context)
+    log(f"context {context or 'prompt only'}: {len(prompts)} prompts x {args.max_tokens} tokens")
+    totals = run_modes(engine, prompts, modes, args.max_tokens, args.rounds, log, warmup=first)
+    rows = [t.row(totals.get("baseline")) for t in totals.values()]
+    # Every verify width a timed chain mode feeds (K + 1), and at least 1..8.
+    depths = [MODE_SPECS[m]["draft_tokens"] for m in modes if MODE_SPECS[m] and "draft_tokens" in MODE_SPECS[m]]
+    costs = forward_costs(engine, prompts[0], list(range(1, max([7, *depths]) + 2)))
+    report = {
+        "settings": {"prompts": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds, "context": context},
+        "results": rows,
+        "cost_model": cost_model(costs, rows, totals),
+    }
+    if args.batch_sizes and first:
+        limit = args.batch_limit or args.limit
+        # A dataset's own prompts, unpadded: the throughput a job over them sees.
+        batch_prompts = read_prompts(engine, args.prompts, limit, None)
+        report["dataset_throughput"] = batch_throughput(engine, batch_prompts, args.max_tokens, args.batch_sizes)
+        report["dataset_throughput"] += [
+            {"mode": r["mode"], "tokens_per_s": r["tokens_per_s"], "note": "one row at a time"} for r in rows
+        ]
+    return report
+
+
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

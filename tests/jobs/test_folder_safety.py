@@ -1,0 +1,389 @@
+"""Job folders that cannot be corrupted: fault injection (in the tests, never
+in the runner) at every write of a commit, damaged ledgers and shards, two
+jobs on one folder, kills during a first run, unsafe merges, colliding ids,
+another dataset, empty datasets, and OS errors. Each case ends in
+exactly-once output by id equal to an uninterrupted run's, or in one clear
+refusal with nothing lost."""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+
+from jobs import output as output_module
+from jobs.cli import main
+from jobs.ledger import Ledger
+from jobs.lock import FolderInUse, FolderLock
+from jobs.merge import MergeError, merge
+from jobs.output import DatasetChanged, OutputError, read_all_ledgers
+from jobs.repair import repair
+from jobs.runner import run_job
+from tests.jobs.conftest import job_config, prompt_rows, write_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).with_name("crash_driver.py")
+ROWS = prompt_rows(8)
+
+
+def settings(**overrides) -> dict:
+    return {"max_tokens": 8, "rows_per_shard": 2, **overrides}
+
+
+def rows_by_id(folder: Path) -> dict:
+    ds = datasets.load_from_disk(str(folder))
+    ids = ds["id"]
+    assert len(ids) == len(set(ids)), "duplicated ids"
+    return {r["id"]: (r["completion"], r["finish_reason"]) for r in ds}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("data") / "in.jsonl", ROWS)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, dataset, job_model, job_engine) -> dict:
+    out = tmp_path_factory.mktemp("ref") / "out"
+    run_job(job_config(dataset, job_model, out, **settings()), engine=job_engine)
+    return rows_by_id(out)
+
+
+def run(dataset, job_model, job_engine, out, **overrides):
+    return run_job(job_config(dataset, job_model, out, **settings(**overrides)), engine=job_engine,
+                   stream=open(os.devnull, "w"))
+
+
+# -- faults during a commit ---------------------------------------------------
+
+
+class FaultyFile:
+    """A file whose n-th write writes half its bytes, then fails with ENOSPC."""
+
+    def __init__(self, f, plan):
+        self._f, self._plan = f, plan
+
+    def write(self, data):
+        self._plan["writes"] += 1
+        if self._plan["writes"] in self._plan["fail_at"]:
+            self._f.write(data[: len(data) // 2])
+            self._f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return self._f.__exit__(*exc)
+
+
+def inject(monkeypatch, target: str, fail_at: set[int]) -> dict:
+    """Make writes to files whose name contains ``target`` fail (see FaultyFile)."""
+    plan = {"writes": 0, "fail_at": fail_at}
+
+    def faulty_open(path, mode="r", *args, **kwargs):
+        f = builtins.open(path, mode, *args, **kwargs)
+        return FaultyFile(f, plan) if target in str(path) and ("w" in mode or "a" in mode) else f
+
+    for module in (output_module, sys.modules["jobs.ledger"]):
+        monkeypatch.setattr(module, "open", faulty_open, raising=False)
+    return plan
+
+
+@pytest.mark.parametrize("target", [".tmp-data-r000", "ledger-r000", ".tmp-state.json"])
+def test_a_short_write_on_a_full_disk_is_retried_once_space_is_back(
+        tmp_path, dataset, job_model, job_engine, reference, monkeypatch, target):
+    plan = inject(monkeypatch, target, fail_at={2})  # the second write to that file fails part-way
+    run(dataset, job_model, job_engine, tmp_path / "out")
+    assert plan["writes"] > 2
+    assert rows_by_id(tmp_path / "out") == reference
+    for ledger in Ledger(tmp_path / "out" / "ledger-r000.jsonl"), :
+        state = ledger.read()
+        assert state.tail == 0 and state.corrupt_line is None  # the half line was rolled back
+
+
+@pytest.mark.parametrize("target", [".tmp-data-r000", "ledger-r000", ".tmp-manifest.json"])
+def test_a_disk_that_stays_full_fails_with_one_line_and_the_resume_completes(
+        tmp_path, dataset, job_model, job_engine, reference, monkeypatch, target):
+    inject(monkeypatch, target, fail_at=set(range(3, 100)))
+    out = tmp_path / "out"
+    with pytest.raises(OutputError) as info:
+        run(dataset, job_model, job_engine, out)
+    message = str(info.value)
+    assert "No space left on device" in message and "free some space" in message and "\n" not in message
+    monkeypatch.undo()
+    committed = rows_by_id(out)
+    assert all(committed[rid] == reference[rid] for rid in committed)  # nothing committed was touched
+    run(dataset, job_model, job_engine, out)
+    assert rows_by_id(out) == reference
+
+
+# -- damaged ledgers --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tail", [b'{"shard": "data-r000-0000', b"garbage that ends in a newline\n", b"{}\n"])
+def test_a_torn_or_garbage_ledger_tail_is_cut_on_resume(tmp_path, dataset, job_model, job_engine, reference, tail):
+    out = tmp_path / "out"
+    run(dataset, job_model, job_engine, out, limit=4)
+    with open(out / "ledger-r000.jsonl", "ab") as f:
+        f.write(tail)
+    assert main(["status", str(out)]) == 1  # the tail is reported
+    run(dataset, job_model, job_engine, out)
+    run(dataset, job_model, job_engine, out)  # and again: nothing left to repair
+    assert rows_by_id(out) == reference
+    assert main(["status", str(out)]) == 0
+
+
+def test_a_ledger_damaged_in_the_middle_is_refused_then_rebuilt_by_repair(
+        tmp_path, dataset, job_model, job_engine, reference, capsys):
+    out = tmp_path / "out"
+    run(dataset, job_model, job_engine, out)
+    path = out / "ledger-r000.jsonl"
+    lines = path.read_bytes().split(b"\n")
+    lines[1] = b"not json at all"
+    path.write_bytes(b"\n".join(lines))
+    with pytest.raises(OutputError, match=r"ledger-r000.jsonl is corrupt at line 2 .*python -m jobs repair"):
+        run(dataset, job_model, job_engine, out)
+    assert main(["status", str(out)]) == 1
+    assert "corrupt at line 2" in capsys.readouterr().err
+    assert main(["merge", str(out), "--output", str(tmp_path / "merged")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "corrupt at line 2" in err[0] and not (tmp_path / "merged").exists()
+    assert main(["repair", str(out)]) == 0
+    run(dataset, job_model, job_engine, out)
+    assert rows_by_id(out) == reference
+
+
+# -- damaged shards -----------------------------------------------------------------
+
+
+def _damage(path: Path, how: str) -> None:
+    data = path.read_bytes()
+    if how == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif how == "deleted":
+        path.unlink()
+    elif how == "bit-flipped":  # same size: only the checksum sees it
+        i = len(data) // 2
+        path.write_bytes(data[:i] + bytes([data[i] ^ 0x10]) + data[i + 1:])
+    else:  # overwritten with another shard's bytes
+        path.write_bytes((path.parent / "data-r000-00000.arrow").read_bytes())
+
+
+@pytest.mark.parametrize("how", ["truncated", "deleted", "bit-flipped", "overwritten"])
+def test_a_damaged_shard_is_quarantined_and_its_rows_redone(tmp_path, dataset, job_model, job_engine, reference, how,
+                                                            capsys):
+    out = tmp_path / "out"
+    run(dataset, job_model, job_engine, out)
+    _damage(out / "data-r000-00002.arrow", how)
+    capsys.readouterr()
+    assert main(["status", str(out), "--verify"]) == 1
+    assert "damaged: shard data-r000-00002.arrow" in capsys.readouterr().out
+    log = []
+    run_job(job_config(dataset, job_model, out, **settings()), engine=job_engine,
+            stream=type("S", (), {"write": lambda self, m: log.append(m), "flush": lambda self: None,
+                                  "isatty": lambda self: False})())
+    assert any("shard data-r000-00002.arrow failed its check" in m for m in log)
+    assert rows_by_id(out) == reference
+    assert main(["status", str(out), "--verify"]) == 0
+    if how != "deleted":
+        assert list((out / "quarantine").iterdir())
+
+
+# -- two jobs, kills -----------------------------------------------------------------
+
+
+def _cmd(dataset, model, out, rows_per_shard=2) -> list[str]:
+    return [sys.executable, "-m", "jobs", "generate", "--dataset", str(dataset), "--model", str(model),
+            "--output", str(out), "--max-tokens", "8", "--rows-per-shard", str(rows_per_shard)]
+
+
+def test_a_second_job_on_the_folder_is_refused_naming_the_holder(tmp_path, job_model, job_engine):
+    many = write_jsonl(tmp_path / "many.jsonl", prompt_rows(120))
+    out = tmp_path / "out"
+    first = subprocess.Popen(_cmd(many, job_model, out), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (out / "state.json").exists():
+            time.sleep(0.05)
+        second = subprocess.run(_cmd(many, job_model, out), cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 1
+        error = second.stderr.strip().splitlines()[-1]
+        assert error.startswith("error: ") and f"pid {first.pid} on host" in error and "in use by another job" in error
+        with pytest.raises(FolderInUse):  # in-process too
+            run(many, job_model, job_engine, out)
+        first.send_signal(signal.SIGKILL)  # the OS releases the lock with the process
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    run(many, job_model, job_engine, out, limit=10)
+    done = rows_by_id(out)
+    assert len(done) == len(set(done)) >= 10
+
+
+@pytest.mark.parametrize("step", ["atomic_written:1", "atomic_written:2", "atomic_written:3",
+                                  "shard_tmp_written:1", "shard_renamed:1"])
+def test_a_kill_at_each_step_of_a_first_run_leaves_a_folder_the_same_command_resumes(
+        tmp_path, dataset, job_model, reference, step):
+    out = tmp_path / "out"
+    name, _, n = step.partition(":")
+    killed = subprocess.run([sys.executable, str(DRIVER), name, n, "--", *_cmd(dataset, job_model, out)[3:]],
+                            cwd=ROOT, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = subprocess.run(_cmd(dataset, job_model, out), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert rows_by_id(out) == reference
+
+
+# -- merge ----------------------------------------------------------------------------
+
+
+def _two_halves(tmp_path, dataset, job_model, job_engine) -> tuple[Path, Path]:
+    """Two folders of one job configuration written from the two halves of
+    the rows (as two machines without a shared filesystem would)."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    run(write_jsonl(tmp_path / "a.jsonl", ROWS[:4]), job_model, job_engine, a)
+    run(write_jsonl(tmp_path / "b.jsonl", ROWS[4:]), job_model, job_engine, b)
+    return a, b
+
+
+def test_merge_refuses_a_ledger_entry_that_escapes_its_folder(tmp_path, dataset, job_model, job_engine):
+    a, b = _two_halves(tmp_path, dataset, job_model, job_engine)
+    secret = tmp_path / "private.txt"
+    secret.write_text("not yours")
+    ledger = Ledger(b / "ledger-r000.jsonl")
+    entries = ledger.read().entries
+    entries[0].shard = "../private.txt"
+    ledger.rewrite(entries)
+    with pytest.raises(MergeError, match="'../private.txt' is damaged .*not a shard of this folder"):
+        merge([a, b], tmp_path / "merged", log=lambda m: None)
+    assert not (tmp_path / "merged").exists()
+    assert not [p for p in tmp_path.iterdir() if ".merging-" in p.name]
+
+
+@pytest.mark.parametrize("how", ["deleted", "truncated"])
+def test_merge_checks_every_shard_before_writing(tmp_path, dataset, job_model, job_engine, reference, how):
+    a, b = _two_halves(tmp_path, dataset, job_model, job_engine)
+    shard = read_all_ledgers(b)[0].shard
+    _damage(b / shard, how)
+    code = main(["merge", str(a), str(b), "--output", str(tmp_path / "merged")])
+    assert code == 1 and not (tmp_path / "merged").exists()
+    run(tmp_path / "b.jsonl", job_model, job_engine, b)  # the resume repairs b
+    assert main(["merge", str(a), str(b), "--output", str(tmp_path / "merged")]) == 0
+    assert rows_by_id(tmp_path / "merged") == reference
+
+
+# -- ids, datasets, empty inputs ---------------------------------------------------------
+
+
+def test_made_duplicate_ids_never_take_a_real_id(tmp_path, job_model, job_engine):
+    rows = [{"id": "x", "prompt": "def a():"}, {"id": "x", "prompt": "def b():"},
+            {"id": "x#dup-row-1", "prompt": "def c():"}]
+    out = tmp_path / "out"
+    run(write_jsonl(tmp_path / "in.jsonl", rows), job_model, job_engine, out)
+    done = rows_by_id(out)
+    assert set(done) == {"x", "x#dup-row-1", "x#dup-row-1-2"}
+    assert done["x#dup-row-1-2"][1] == "error" and done["x#dup-row-1"][1] != "error"
+
+
+def test_another_dataset_is_refused_unless_allowed(tmp_path, job_model, job_engine):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "def a():"}, {"prompt": "def b():"}])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "class C:"}, {"prompt": "class D:"}, {"prompt": "x = 1"}])
+    out = tmp_path / "out"
+    run(a, job_model, job_engine, out)
+    with pytest.raises(DatasetChanged, match=r"written from the dataset '.*a.jsonl' .*reads '.*b.jsonl'.*"
+                                             r"--allow-dataset-change"):
+        run(b, job_model, job_engine, out)
+    run(b, job_model, job_engine, out, allow_dataset_change=True)
+    assert set(rows_by_id(out)) == {"0", "1", "2"}  # ids are row numbers: rows 0 and 1 were done
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dataset"]["history"][0]["path"].endswith("a.jsonl")
+
+
+@pytest.mark.parametrize("kind", ["csv", "parquet", "disk"])
+def test_an_empty_dataset_gives_zero_rows_and_a_note(tmp_path, job_model, job_engine, kind):
+    if kind == "csv":
+        path = tmp_path / "in.csv"
+        path.write_text("id,prompt\n")
+    else:
+        empty = datasets.Dataset.from_dict({"id": [], "prompt": []})
+        path = tmp_path / ("in.parquet" if kind == "parquet" else "saved")
+        empty.to_parquet(str(path)) if kind == "parquet" else empty.save_to_disk(str(path))
+    lines = []
+    stream = type("S", (), {"write": lambda self, m: lines.append(m), "flush": lambda self: None,
+                            "isatty": lambda self: False})()
+    summary = run_job(job_config(path, job_model, tmp_path / "out", **settings()), engine=job_engine, stream=stream)
+    assert summary.total == 0 and summary.done == 0
+    assert any("note: " in m and "no rows" in m for m in lines)
+    assert len(datasets.load_from_disk(str(tmp_path / "out"))) == 0
+
+
+# -- OS errors and damaged views ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_an_output_that_is_a_file_gives_one_error_line(tmp_path, dataset, job_model, where, capsys):
+    blocker = tmp_path / "taken"
+    blocker.write_text("a file")
+    out = blocker if where == "a file" else blocker / "out"
+    code = main(["generate", "--dataset", str(dataset), "--model", str(job_model), "--output", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and err[0].startswith("error: ") and str(out) in err[0]
+
+
+def test_a_read_only_file_system_gives_one_line_without_retries(tmp_path, dataset, job_model, job_engine, monkeypatch):
+    out = tmp_path / "out"
+    run(dataset, job_model, job_engine, out, limit=2)
+    calls = {"n": 0}
+
+    def read_only(path, mode="r", *args, **kwargs):
+        if "w" in mode or "a" in mode:
+            calls["n"] += 1
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(output_module, "open", read_only, raising=False)
+    monkeypatch.setattr(sys.modules["jobs.ledger"], "open", read_only, raising=False)
+    with pytest.raises(OutputError, match=r"Read-only file system .*2 rows were committed before and are intact"):
+        run(dataset, job_model, job_engine, out)
+    assert calls["n"] == 1  # permanent: not retried
+
+
+def test_a_corrupt_manifest_is_rebuilt_by_the_same_job_and_refused_by_another(
+        tmp_path, dataset, job_model, job_engine, reference, capsys):
+    out = tmp_path / "out"
+    run(dataset, job_model, job_engine, out, limit=4)
+    (out / "manifest.json").write_text('{"fingerprint": ')
+    assert main(["status", str(out)]) == 1
+    assert capsys.readouterr().err.startswith("error: ")
+    with pytest.raises(OutputError, match="manifest.json is corrupt .*another job configuration"):
+        run(dataset, job_model, job_engine, out, max_tokens=9)
+    run(dataset, job_model, job_engine, out)
+    assert rows_by_id(out) == reference
+
+
+def test_repair_needs_the_lock(tmp_path, dataset, job_model, job_engine):
+    out = tmp_path / "out"
+    run(dataset, job_model, job_engine, out, limit=2)
+    held = FolderLock(out)
+    held.acquire("someone")
+    try:
+        with pytest.raises(FolderInUse):
+            repair(out, log=lambda m: None)
+    finally:
+        held.release()
+    assert repair(out, log=lambda m: None) == (1, 2, 0)

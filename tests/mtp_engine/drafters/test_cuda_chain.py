@@ -1,0 +1,210 @@
+"""The chain-draft kernel (`mtp_engine.kernels.cuda_chain`) and its drafter
+(`mtp_engine.drafters.cuda_chain`).
+
+Everywhere: its CUDA source runs on the CPU under the SIMT emulator
+(`tests/mtp_engine/kernels/simt_emu.h`) and must give the MLX head's drafts, the
+pending pairs' keys and values and the last step's logits (to float32
+rounding); decoding with it must equal plain decoding. On a CUDA machine
+the same checks run on the GPU, and on the shipped model in bfloat16.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mtp_engine import MTPEngine
+from mtp_engine.cache.capture import make_main_cache
+from mtp_engine.drafters.cuda_chain import CudaChainDrafter, build_chain_kernel
+from mtp_engine.drafters.head_weights import UnsupportedHead
+from mtp_engine.drafters.mlx_head import MLXDrafter
+from mtp_engine.io.tiny import tiny_config
+from mtp_engine.kernels import cuda_chain
+from tests.conftest import PROMPTS
+from tests.mtp_engine.kernels import simt
+
+ON_CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
+needs_compiler = pytest.mark.skipif(simt.compiler() is None, reason="needs a C++20 compiler for the emulator")
+
+CONFIGS = {
+    "default": tiny_config(),
+    "wide_heads_top1_tied": tiny_config(head_dim=32, num_experts_per_tok=1, norm_topk_prob=False,
+                                        partial_rotary_factor=0.5, tie_word_embeddings=True,
+                                        num_key_value_heads=1),
+}
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoint_factory):
+    planted = {"default": dict(predictability=0.4)}  # (planting needs an untied LM head)
+    return {name: MTPEngine.load(checkpoint_factory(f"kernel-{name}", cfg, seed=5, **planted.get(name, {})))
+            for name, cfg in CONFIGS.items()}
+
+
+class EmulatedKernel(cuda_chain.ChainKernel):
+    """The kernel's source, run by the SIMT emulator instead of the GPU."""
+
+    threads = 64
+
+    def __call__(self, hidden, tokens, keys, values, offset, k):
+        self.last = simt.run(cuda_chain.header(), cuda_chain.source(), cuda_chain.INPUT_NAMES,
+                             *self._launch(hidden, tokens, keys, values, offset, k), threads=self.threads)
+        drafts, new_k, new_v, _ = self.last
+        return drafts, new_k, new_v
+
+    def _launch(self, hidden, tokens, keys, values, offset, k):
+        inputs, template, shapes, dtypes = self.arguments(hidden, tokens, keys, values, offset, k)
+        return inputs, cuda_chain.OUTPUT_NAMES, template, shapes, dtypes
+
+
+def make_kernel(engine, cls=None):
+    head, embed = engine.checkpoint.head, engine.model.model.embed_tokens
+    lm_head = embed if engine.model.args.tie_word_embeddings else engine.model.lm_head
+    if cls is None:
+        kernel, why = build_chain_kernel(head, embed, lm_head)
+        assert kernel is not None, f"the kernel should serve the tiny heads on CUDA: {why}"
+        return kernel
+    return cls(*cuda_chain.kernel_weights(head, embed, lm_head))
+
+
+def reference_chain(engine, ids, pending, k):
+    """The MLX head's chain after a prefill of all but ``pending`` pairs:
+    the cache before the pending forward, the pending rows' keys and
+    values, the drafts and the last step's logits."""
+    hidden = engine.model.model(mx.array(ids)[None], cache=make_main_cache(engine.model))
+    pairs = ids[1:] + [5]
+    drafter = MLXDrafter(engine.checkpoint.head, engine.model.model.embed_tokens, engine.lm_head)
+    state = drafter.new_state()
+    split = len(pairs) - pending
+    c = state.cache[0]
+    before = (None, None, 0)
+    if split:
+        drafter.set_pending(state, hidden[:, :split], pairs[:split])
+        drafter.first_step(state)
+        before = (c.keys + 0, c.values + 0, c.offset)
+        mx.eval(before[:2])
+    drafter.set_pending(state, hidden[:, split:], pairs[split:])
+    logits, m, token = drafter._forward_pending(state)
+    rows = (c.keys[0, :, before[2]:c.offset] + 0, c.values[0, :, before[2]:c.offset] + 0)
+    drafts = [token.item()]
+    for _ in range(k - 1):
+        logits, m, token = drafter._forward(state, m, token)
+        drafts.append(token.item())
+    return hidden[0, split:], pairs[split:], before, rows, drafts, logits
+
+
+def logits_of(kernel, work):
+    c = kernel.config
+    start = cuda_chain.work_offsets(c)["logits"]
+    return work[start : start + c["vocab"]]
+
+
+@needs_compiler
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("pending,k", [(1, 1), (1, 4), (5, 3), (16, 2)])
+def test_emulated_kernel_drafts_what_the_mlx_head_drafts(engines, name, pending, k):
+    engine = engines[name]
+    kernel = make_kernel(engine, EmulatedKernel)
+    ids = engine.encode(PROMPTS[0] + " " + PROMPTS[2] + " " + PROMPTS[4] + " " + PROMPTS[9])
+    assert len(ids) > pending + 1
+    hidden, tokens, (keys, values, offset), (want_k, want_v), want, want_logits = reference_chain(
+        engine, ids, pending, k)
+    drafts, new_k, new_v = kernel(hidden, tokens, keys, values, offset, k)
+    assert drafts.tolist() == want
+    assert new_k.shape == want_k.shape and new_k.dtype == want_k.dtype
+    assert mx.allclose(new_k, want_k, atol=1e-4, rtol=1e-4).item()
+    assert mx.allclose(new_v, want_v, atol=1e-4, rtol=1e-4).item()
+    got_logits = logits_of(kernel, kernel.last[3])
+    assert mx.allclose(got_logits, want_logits, atol=1e-4, rtol=1e-4).item()
+
+
+@needs_compiler
+def test_emulated_kernel_from_an_empty_cache(engines):
+    """A short prompt's pairs go straight into the kernel (no MLX prefill)."""
+    engine = engines["default"]
+    kernel = make_kernel(engine, EmulatedKernel)
+    ids = engine.encode("x = 1")
+    hidden, tokens, before, rows, want, _ = reference_chain(engine, ids, len(ids), 3)
+    assert before == (None, None, 0) and len(tokens) <= cuda_chain.MAX_PENDING
+    drafts, new_k, _ = kernel(hidden, tokens, None, None, 0, 3)
+    assert drafts.tolist() == want
+    assert mx.allclose(new_k, rows[0], atol=1e-4, rtol=1e-4).item()
+
+
+@needs_compiler
+def test_decoding_with_the_emulated_kernel_equals_plain_decoding(engines):
+    """The drafter's bookkeeping around the kernel: prompt prefill through
+    the MLX head, pending pairs, cache commits. Output equals plain decoding
+    and acceptance equals the MLX drafter's."""
+    engine = engines["default"]
+    kernel = make_kernel(engine, EmulatedKernel)
+    head, embed = engine.checkpoint.head, engine.model.model.embed_tokens
+    engine.drafters.cuda = CudaChainDrafter(head, embed, engine.lm_head, kernel)
+    try:
+        for prompt in (PROMPTS[0], PROMPTS[3]):
+            plain = engine.generate(prompt, max_tokens=24, mode="baseline")
+            mlx_run = engine.generate(prompt, max_tokens=24, mode="chain", draft_tokens=3, drafter="mlx")
+            kernel_run = engine.generate(prompt, max_tokens=24, mode="chain", draft_tokens=3, drafter="cuda")
+            assert kernel_run.tokens == plain.tokens
+            assert kernel_run.stats.histogram == mlx_run.stats.histogram
+    finally:
+        engine.drafters.cuda = None
+
+
+def test_heads_the_kernel_cannot_serve(checkpoint_factory, engines):
+    engine = MTPEngine.load(checkpoint_factory("kernel-mtp2", tiny_config(mtp_num_hidden_layers=2), seed=3))
+    head, embed = engine.checkpoint.head, engine.model.model.embed_tokens
+    with pytest.raises(UnsupportedHead, match="2 MTP layers"):
+        cuda_chain.kernel_weights(head, embed, engine.model.lm_head)
+    default = engines["default"]
+    cuda_chain.kernel_weights(default.checkpoint.head, default.model.model.embed_tokens, default.model.lm_head)
+    if not ON_CUDA:
+        kernel, why = build_chain_kernel(default.checkpoint.head, default.model.model.embed_tokens,
+                                         default.model.lm_head)
+        assert kernel is None and why == "not MLX's CUDA backend"
+        assert default.drafters.cuda is None
+        with pytest.raises(ValueError, match="cuda"):
+            default.generate("x", max_tokens=4, mode="chain", drafter="cuda")
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("pending,k", [(1, 4), (5, 3), (16, 8)])
+def test_gpu_kernel_drafts_what_the_mlx_head_drafts(engines, pending, k):
+    engine = engines["default"]
+    kernel = make_kernel(engine)
+    ids = engine.encode(PROMPTS[0] + " " + PROMPTS[2] + " " + PROMPTS[4] + " " + PROMPTS[9])
+    hidden, tokens, (keys, values, offset), (want_k, want_v), want, _ = reference_chain(engine, ids, pending, k)
+    drafts, new_k, new_v = kernel(hidden, tokens, keys, values, offset, k)
+    assert drafts.tolist() == want
+    assert mx.allclose(new_k, want_k, atol=1e-3, rtol=1e-3).item()
+    assert mx.allclose(new_v, want_v, atol=1e-3, rtol=1e-3).item()
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend")
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_gpu_decoding_with_the_kernel_equals_plain_decoding(engines, name):
+    engine = engines[name]
+    assert engine.drafters.cuda is not None
+    for prompt in PROMPTS[:4]:
+        plain = engine.generate(prompt, max_tokens=40, mode="baseline")
+        for k in (1, 4, 9):
+            run = engine.generate(prompt, max_tokens=40, mode="chain", draft_tokens=k)
+            assert run.tokens == plain.tokens, (prompt, k)
+
+
+def test_one_compiled_kernel_serves_every_depth_and_width(engines):
+    """The depth and the pending pairs are run-time values: a template that
+    changed with them would compile a new kernel (NVRTC, a second or so) at
+    the tail of every generation, where the depth shrinks."""
+    engine = engines["default"]
+    kernel = make_kernel(engine, EmulatedKernel)
+    hidden = mx.zeros((16, kernel.config["dim"]))
+    templates = {
+        str(kernel.arguments(hidden[:m], [1] * m, None, None, offset, k)[1])
+        for m, offset, k in ((1, 0, 1), (16, 40, 32), (3, 7, 5))
+    }
+    assert len(templates) == 1
+    with pytest.raises(ValueError, match="1..32 drafts"):
+        kernel.arguments(hidden[:1], [1], None, None, 0, 33)
+    with pytest.raises(ValueError, match="1..16 pairs"):
+        kernel.arguments(hidden, [1] * 17, None, None, 0, 2)

@@ -1,0 +1,69 @@
+"""The benchmark harness runs every mode side by side and reports in the
+documented JSON shape (no timing is asserted here)."""
+
+from __future__ import annotations
+
+import json
+
+from mtp_engine.kernels import cpu_recurrence
+from mtp_engine.tools.bench import cost_model, main
+
+
+def test_bench_report(tmp_path, tiny_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def add(a, b):", "Hello", "class A:"]))
+    out = tmp_path / "bench.json"
+    code = main(["--model", str(tiny_path), "--prompts", str(prompts), "--limit", "2", "--max-tokens", "8",
+                 "--rounds", "1", "--batch-sizes", "1", "2", "--json", str(out),
+                 "--modes", "baseline", "mlx_lm", "chain-k3", "tree-k3", "paths-k3-p2"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert {"results", "machine", "cost_model", "dataset_throughput"} <= report.keys()
+    by_mode = {r["mode"]: r for r in report["results"]}
+    assert set(by_mode) == {"baseline", "mlx_lm", "chain-k3", "tree-k3", "paths-k3-p2"}
+    for r in report["results"]:
+        assert {"mode", "params", "tokens_per_s", "speedup", "acceptance_length", "identical"} <= r.keys()
+        assert r["identical"] is True
+    assert by_mode["baseline"]["speedup"] == 1.0
+    assert by_mode["chain-k3"]["acceptance_length"] >= 1.0
+    assert set(report["cost_model"]["forward_ratio"]) >= {"1", "2", "4"}
+    assert {b["mode"] for b in report["dataset_throughput"]} >= {"batch-b1", "batch-b2"}
+    assert report["compiled_layers"] is True  # the CPU default
+    assert report["rowwise_linears"] is False  # row-by-row products are a GPU default
+    # Which code ran the recurrence is part of the report (float32 on the CPU:
+    # the primitive where `make install` built it, else mlx-lm's ops).
+    assert report["recurrence"] == ("cpu primitive" if cpu_recurrence.availability() is None else "mlx-lm ops")
+
+
+def test_bench_eager_layers_give_the_same_tokens(tmp_path, tiny_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}))
+    out = tmp_path / "bench.json"
+    code = main(["--model", str(tiny_path), "--prompts", str(prompts), "--limit", "1", "--max-tokens", "8",
+                 "--rounds", "1", "--batch-sizes", "--fast-path", "compile_layers=off", "--json", str(out),
+                 "--modes", "baseline", "mlx_lm", "chain-k2", "chain-k8"])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["compiled_layers"] is False
+    assert all(r["identical"] for r in report["results"])
+    # The cost model times every verify width a timed chain feeds (K + 1).
+    assert set(report["cost_model"]["forward_ratio"]) == {str(t) for t in range(1, 10)}
+
+
+def test_cost_model_prices_a_kernel_chain_as_one_launch():
+    """With the CUDA chain kernel a chain of K drafts is priced by its own
+    measured cost, not K MTP steps; chains drafted by the MLX head keep
+    K MTP steps."""
+    costs = {"verify_s": {1: 0.010, 5: 0.012, 9: 0.013}, "mtp_step_s": 0.002, "drafter": "cuda",
+             "kernel_chain_s": {4: 0.001, 8: 0.002}}
+    rows = [
+        dict(mode="chain-k4", params=dict(mode="chain", draft_tokens=4), acceptance_length=3.0,
+             decode_speedup=2.0),
+        dict(mode="chain-k8-mlxdraft", params=dict(mode="chain", draft_tokens=8, drafter="mlx"),
+             acceptance_length=5.0, decode_speedup=2.5),
+    ]
+    cm = cost_model(costs, rows)
+    by_mode = {p["mode"]: p for p in cm["predicted"]}
+    assert by_mode["chain-k4"]["predicted_speedup"] == round(3.0 * 0.010 / (0.001 + 0.012), 3)
+    assert by_mode["chain-k8-mlxdraft"]["predicted_speedup"] == round(5.0 * 0.010 / (8 * 0.002 + 0.013), 3)
+    assert cm["kernel_chain_ratio"] == {"4": 0.1, "8": 0.2}
+    assert cm["chain_drafter"] == "cuda"
