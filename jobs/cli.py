@@ -45,14 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dataset", help="prompt file (.jsonl .json .csv .parquet .arrow), glob, or save_to_disk folder")
     g.add_argument("--model", help="Qwen3-Next checkpoint folder with its MTP head")
     g.add_argument("--output", help="output folder (created; resumed if it holds this job)")
-    g.add_argument("--mode", choices=JOB_MODES, help="decoding mode; 'batch' = continuous batching, no speculation; 'auto' = the measured "
-                   "best for this backend: chain (K=4) on MLX's CPU backend, batch on GPUs (default: auto)")
+    g.add_argument("--mode", choices=JOB_MODES, help="decoding mode; chain and baseline decode --batch-size rows at "
+                   "once (batched speculation / plain batching); 'batch' = baseline (older name); 'auto' = the mode, "
+                   "K and batch size measured fastest on this backend (default: auto). Every mode writes the same rows")
     g.add_argument("--draft-tokens", type=int, help="K: draft depth (default: 4)")
     g.add_argument("--paths", type=int, help="P: candidate first tokens in 'paths' mode (default: 2)")
     g.add_argument("--tau", type=float, help="confidence threshold of the adaptive modes (default: 0.5)")
     g.add_argument("--max-tokens", type=int, help="tokens per completion unless a row sets max_tokens (default: 256)")
     g.add_argument("--stop", action="append", help="stop string (repeatable) unless a row sets stop")
-    g.add_argument("--batch-size", type=int, help="rows decoded at once in 'batch' mode (default: 16)")
+    g.add_argument("--batch-size", type=int, help="rows decoded at once in chain and baseline modes; 1 decodes "
+                   "one row at a time (default: the backend's measured best; 16 for 'batch')")
     g.add_argument("--rows-per-shard", type=int, help="rows per committed shard (default: 256)")
     g.add_argument("--commit-seconds", type=float, help="commit finished rows at least this often (default: 300)")
     g.add_argument("--prompt-field", help="field holding the prompt string (default: prompt)")

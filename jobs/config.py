@@ -13,10 +13,19 @@ from mtp_engine.options import EngineOptions
 from schemas.arrow import SCHEMA_VERSION
 
 JOB_MODES = MODES + ("batch", "auto")
+BATCHED_MODES = ("chain", "baseline", "batch")
+"""Modes that decode several rows at once (`mtp_engine.batched`); "batch"
+is "baseline" under its older name, kept so older folders resume."""
 
-# What "auto" (the default) becomes on each MLX backend: the mode that moved
-# the most tokens per second over a dataset in the benchmark (docs/BENCHMARKS.md).
-AUTO_MODE = {"cpu": "chain", "gpu": "batch"}
+AUTO = {"cpu": ("chain", 3, 8), "gpu": ("chain", 3, 32)}
+"""What "auto" (the default mode) becomes on each MLX backend: (mode, K,
+batch size), the fastest over a dataset in the benchmark
+(docs/BENCHMARKS.md)."""
+AUTO_MODE = {backend: mode for backend, (mode, _, _) in AUTO.items()}
+
+SPEED_ONLY = ("mode", "draft_tokens", "paths", "tau", "batch_size")
+"""Decoding settings that change speed, never the tokens (every mode is
+lossless), so a folder resumes under other values of them."""
 
 
 class ConfigError(ValueError):
@@ -39,7 +48,8 @@ class JobConfig:
         tau: Confidence threshold (adaptive modes).
         max_tokens: Default token budget per row (rows may override).
         stop: Default stop strings (rows may override).
-        batch_size: Rows decoded at once in batch mode.
+        batch_size: Rows decoded at once (chain and baseline modes; None:
+            the measured best for the backend, 16 for "batch" as before).
         rows_per_shard: Rows per committed shard.
         commit_seconds: Commit a shard at least this often when rows are done.
         prompt_field: Field holding a prompt string.
@@ -64,7 +74,7 @@ class JobConfig:
     tau: float = 0.5
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
-    batch_size: int = 16
+    batch_size: int | None = None
     rows_per_shard: int = 256
     commit_seconds: float = 300.0
     prompt_field: str = "prompt"
@@ -86,7 +96,11 @@ class JobConfig:
         _positive_int("draft_tokens", self.draft_tokens, 16)
         _positive_int("paths", self.paths, 8)
         _positive_int("max_tokens", self.max_tokens)
-        _positive_int("batch_size", self.batch_size, 1024)
+        if self.batch_size is not None:
+            _positive_int("batch_size", self.batch_size, 1024)
+            if self.batch_size > 1 and self.mode not in (*BATCHED_MODES, "auto"):
+                raise ConfigError(f"--batch-size {self.batch_size}: mode {self.mode!r} decodes one row at a time; "
+                                  f"batched decoding runs modes {', '.join(BATCHED_MODES)}")
         _positive_int("rows_per_shard", self.rows_per_shard)
         if self.limit is not None:
             _positive_int("limit", self.limit)
@@ -129,18 +143,27 @@ class JobConfig:
             merged["stop"] = tuple(merged["stop"])
         return cls(**merged)
 
-    @property
-    def speculative(self) -> bool:
-        return self.mode != "batch"
-
     def resolved(self, backend: str) -> "JobConfig":
-        """The config with "auto" replaced by the mode for ``backend``."""
-        if self.mode != "auto":
-            return self
-        return replace(self, mode=AUTO_MODE.get(backend, "chain"))
+        """The config with "auto" replaced by the mode, K and batch size for
+        ``backend``, and an unset batch size by its default."""
+        config = self
+        if config.mode == "auto":
+            mode, k, batch = AUTO.get(backend, AUTO["cpu"])
+            config = replace(config, mode=mode, draft_tokens=k, batch_size=config.batch_size or batch)
+        if config.batch_size is None:
+            default = {"batch": 16}.get(config.mode) or (AUTO.get(backend, AUTO["cpu"])[2]
+                                                         if config.mode in BATCHED_MODES else 1)
+            config = replace(config, batch_size=default)
+        return config
+
+    @property
+    def batched(self) -> bool:
+        """Whether rows decode several at once (`mtp_engine.batched`)."""
+        return self.mode == "batch" or (self.mode in BATCHED_MODES and (self.batch_size or 1) > 1)
 
     def decoding(self) -> dict:
-        """The decoding parameters that shape the output (fingerprinted)."""
+        """The decoding settings (fingerprinted; `SPEED_ONLY` ones are not
+        compared on resume)."""
         d = {"mode": self.mode, "max_tokens": self.max_tokens, "stop": list(self.stop)}
         if self.mode == "batch":
             d["batch_size"] = self.batch_size
@@ -250,6 +273,13 @@ def fingerprint_parts(config: JobConfig, model_id: dict, chat_template: str | No
 
 def fingerprint(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def output_parts(parts: dict) -> dict:
+    """Fingerprint parts without the `SPEED_ONLY` settings: what decides the
+    tokens. Two jobs whose output parts agree write the same rows."""
+    decoding = {k: v for k, v in parts.get("decoding", {}).items() if k not in SPEED_ONLY}
+    return {**parts, "decoding": decoding}
 
 
 def describe_changes(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import orjson
 
-from jobs.config import describe_changes
+from jobs.config import describe_changes, output_parts
 from jobs.ledger import Ledger, LedgerEntry, fsync_dir
 from jobs.output import (
     MANIFEST,
@@ -72,7 +72,8 @@ def merge(inputs: list[Path], output: Path, log=print) -> int:
     manifests = [_manifest(folder) for folder in inputs]
     first = manifests[0]
     for folder, m in zip(inputs[1:], manifests[1:]):
-        if m["fingerprint"] != first["fingerprint"]:
+        if m["fingerprint"] != first["fingerprint"] and output_parts(m.get("fingerprint_parts", {})) != output_parts(
+                first.get("fingerprint_parts", {})):
             changes = describe_changes(first.get("fingerprint_parts", {}), m.get("fingerprint_parts", {}))
             raise MergeError(
                 f"{folder} was made by a different job configuration than {inputs[0]}:\n  " + "\n  ".join(changes)

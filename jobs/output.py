@@ -43,7 +43,7 @@ import orjson
 import pyarrow as pa
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
-from jobs.config import describe_changes
+from jobs.config import describe_changes, output_parts
 from jobs.ledger import Ledger, LedgerEntry, LedgerState, Totals, fsync_dir
 from jobs.lock import FolderLock
 from schemas.arrow import COMPLETION_SCHEMA, dataset_features_dict, rows_to_batch
@@ -306,6 +306,11 @@ class OutputFolder:
                 self._delete_results()
                 return {}
             changes = describe_changes(old.get("fingerprint_parts", {}), manifest["fingerprint_parts"])
+            if "fingerprint_parts" in old and output_parts(old["fingerprint_parts"]) == output_parts(
+                    manifest["fingerprint_parts"]):
+                self.log(f"resuming under other speed settings ({'; '.join(changes)}): every mode "
+                         "writes the same rows")
+                return old
             raise FingerprintMismatch(
                 f"{self.path} holds results of a different job configuration:\n  "
                 + "\n  ".join(changes or ["(fingerprint differs)"])

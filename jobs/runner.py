@@ -1,8 +1,9 @@
 """The job loop: rows in, completions out, committed in shards.
 
-The runner knows nothing about caches or drafts: it asks the engine for one
-completion at a time (speculative modes) or drives the engine's batch decoder
-(mode "batch"). A row is committed only inside a shard; rows in flight when
+The runner knows nothing about caches or drafts: it drives the engine's
+batched decoder (modes chain and baseline with a batch size over 1: rows
+join as others finish) or asks for one completion at a time (the other
+modes). A row is committed only inside a shard; rows in flight when
 the process dies are redone on the next run, done ids are skipped.
 """
 
@@ -29,7 +30,7 @@ from jobs.progress import Progress
 from jobs.prompts import Preparer, Request, RowError
 from jobs.readers import PromptSource
 from mtp_engine import MTPEngine
-from mtp_engine.batch import BatchDecoder
+from mtp_engine.batched import BatchedDecoder
 from schemas.arrow import SCHEMA_VERSION, completion_row, error_row
 
 
@@ -275,10 +276,10 @@ def _run(config, requested, engine, source, total, out, ranks, stream, log) -> J
     started = time.perf_counter()
     with StopRequest() as stop:
         work = _work(source, config, preparer, out.done_ids, rank, world, stop)
-        if config.mode == "batch":
-            _run_batch(engine, config, work, finish, stop, log=progress.log)
+        if config.batched:
+            _run_batched(engine, config, work, finish, stop, log=progress.log)
         else:
-            _run_speculative(engine, config, work, finish)
+            _run_one_at_a_time(engine, config, work, finish)
         buffer.flush()
         progress.close()
         if world > 1 and not stop.requested:
@@ -356,18 +357,20 @@ def _request_result(req: Request, result, failure: str | None) -> dict:
     return completion_row(id=req.id, index=req.index, line=req.line, prompt=req.prompt, result=result)
 
 
-def _run_speculative(engine, config, work, finish) -> None:
+def _run_one_at_a_time(engine, config, work, finish) -> None:
     for item in work:
         if isinstance(item, RowError):
             finish(_error_to_row(item))
             continue
         result, failure = _generate_with_retry(engine, config, item)
-        stats = result.stats if result is not None else None
-        finish(
-            _request_result(item, result, failure),
-            steps=stats.steps if stats else 0,
-            accepted=stats.accepted if stats else 0,
-        )
+        _finish_result(finish, item, result, failure)
+
+
+def _finish_result(finish, req: Request, result, failure: str | None) -> None:
+    stats = result.stats if result is not None else None
+    speculative = stats is not None and stats.draft_tokens > 0
+    finish(_request_result(req, result, failure), steps=stats.steps if speculative else 0,
+           accepted=stats.accepted if speculative else 0)
 
 
 # Whole-batch failures in a row after which the rest of the job decodes one
@@ -376,13 +379,16 @@ def _run_speculative(engine, config, work, finish) -> None:
 BATCH_FAILURES_BEFORE_FALLBACK = 2
 
 
-def _run_batch(engine, config, work, finish, stop, log=None) -> None:
-    decoder = BatchDecoder(engine, config.batch_size)
+def _run_batched(engine, config, work, finish, stop, log=None) -> None:
+    """Rows decoded ``batch_size`` at once (`mtp_engine.batched`): as one
+    finishes, the next joins."""
+    mode = "chain" if config.mode == "chain" else "baseline"
+    decoder = BatchedDecoder(engine, config.batch_size, mode, config.draft_tokens, label=config.mode)
     in_flight: dict[str, Request] = {}
     failures = 0
 
     def one_row(req: Request) -> None:
-        finish(_request_result(req, *_generate_with_retry(engine, config, req)))
+        _finish_result(finish, req, *_generate_with_retry(engine, config, req))
 
     def drain_one_step() -> None:
         nonlocal failures
@@ -400,8 +406,7 @@ def _run_batch(engine, config, work, finish, stop, log=None) -> None:
             return
         failures = 0
         for key, result in finished:
-            req = in_flight.pop(key)
-            finish(_request_result(req, result, None))
+            _finish_result(finish, in_flight.pop(key), result, None)
 
     try:
         for item in work:

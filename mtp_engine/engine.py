@@ -15,10 +15,12 @@ accepted pairs for the head.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
 
+from mtp_engine.batched import BatchedDecoder
 from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.drafters.select import (
     DRAFTERS,
@@ -35,6 +37,7 @@ from mtp_engine.options import (
     apply_process_settings,
     cudnn_attention_on,
 )
+from mtp_engine.projection import ProjectedDrafts
 from mtp_engine.stopping import Finisher, stop_list
 from mtp_engine.verify import VerifyOutcome, greedy_tokens, top_logits, verify
 from schemas.records import GenerationResult, GenerationStats, StepTrace
@@ -176,6 +179,7 @@ class MTPEngine:
         trace: bool = False,
         tree_pos2: bool = True,
         drafter: str = "auto",
+        projection: ProjectedDrafts | None = None,
     ) -> GenerationResult:
         """Decode one prompt greedily.
 
@@ -195,6 +199,8 @@ class MTPEngine:
                 "cpp" (chain and adaptive) or "cuda" (chain); see
                 `mtp_engine.drafters.select`. It changes speed, never the
                 output.
+            projection: Chain drafts replaced at an acceptance profile
+                (benchmarks of random-weight models; `mtp_engine.projection`).
 
         Returns:
             A `GenerationResult`.
@@ -231,7 +237,7 @@ class MTPEngine:
         finisher.add([x])
         if not finisher.done:
             if spec.speculative:
-                self._speculate(spec, chosen, ids, prompt_hidden, x, caches, finisher, stats, steps)
+                self._speculate(spec, chosen, ids, prompt_hidden, x, caches, finisher, stats, steps, projection)
             else:
                 self._plain(x, caches, finisher, stats)
         t2 = time.perf_counter()
@@ -247,6 +253,53 @@ class MTPEngine:
             prompt_tokens=ids,
             trace=steps,
         )
+
+    def generate_batch_iter(
+        self,
+        prompts: list[str | list[int]],
+        *,
+        batch_size: int = 8,
+        max_tokens: int | list[int] = 256,
+        mode: str = "chain",
+        draft_tokens: int = 3,
+        stop: str | list[str] | None = None,
+        drafter: str = "auto",
+    ) -> Iterator[tuple[int, GenerationResult]]:
+        """Decode many prompts with batched speculation (`mtp_engine.batched`),
+        yielding ``(index, result)`` as rows finish.
+
+        Args:
+            prompts: Texts or token-id lists.
+            batch_size: Most rows in flight; a finished row's place goes to
+                the next prompt at once.
+            max_tokens: One budget for all, or one per prompt.
+            mode: "chain" (``draft_tokens`` drafts per row and step) or
+                "baseline" (plain batched decoding).
+            stop: Stop string(s) for every prompt.
+            drafter: "auto", "mlx" or "cpp".
+
+        Raises:
+            ValueError/TypeError: Bad parameters or prompts (checked before
+                anything is decoded).
+        """
+        budgets = max_tokens if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
+        if len(budgets) != len(prompts):
+            raise ValueError(f"{len(budgets)} max_tokens for {len(prompts)} prompts")
+        decoder = BatchedDecoder(self, batch_size, mode, draft_tokens, drafter)
+        for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
+            decoder.add(i, prompt, max_tokens=budget, stop=stop)
+        try:
+            while decoder.pending:
+                yield from decoder.step()
+        finally:
+            decoder.close()
+
+    def generate_batch(self, prompts: list[str | list[int]], **kwargs) -> list[GenerationResult]:
+        """`generate_batch_iter`'s results, in input order."""
+        results: list[GenerationResult | None] = [None] * len(prompts)
+        for i, result in self.generate_batch_iter(prompts, **kwargs):
+            results[i] = result
+        return results
 
     def _prefill(self, ids: list[int], caches: list, keep_hidden: bool):
         """Feed the prompt as mlx-lm's ``generate_step`` does (chunks of all but
@@ -304,7 +357,8 @@ class MTPEngine:
         """The drafter a mode uses (`mtp_engine.drafters.select.select_drafter`)."""
         return select_drafter(self.drafters, mode, choice)
 
-    def _speculate(self, spec, drafter, ids, prompt_hidden, x, caches, finisher, stats, steps) -> None:
+    def _speculate(self, spec, drafter, ids, prompt_hidden, x, caches, finisher, stats, steps,
+                   projection: ProjectedDrafts | None = None) -> None:
         state = drafter.new_state()
         # Pairs (H_0, t_1) .. (H_{n-1}, x): the prompt's MTP prefill and the
         # first draft's input, consumed by the first draft forward.
@@ -314,6 +368,9 @@ class MTPEngine:
             depth = finisher.remaining - 1
             t0 = time.perf_counter()
             drafted = spec.propose(drafter, state, depth) if depth >= 1 else [[]]
+            if projection is not None and depth >= 1:
+                rows = drafted.tolist() if isinstance(drafted, mx.array) else drafted
+                drafted = [projection.replace(rows[0], len(finisher.tokens))] + rows[1:]
             t1 = time.perf_counter()
             out = self._verify(caches, x, drafted)
             drafted = out.paths

@@ -29,6 +29,10 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "MTP_CPP_DRAFTER": ("cpp_drafter", "0: draft with the MLX head instead of the C++ head on the CPU"),
 }
 
+GPU_MOE_SORT_MIN = 1024
+"""Routed selections from which a GPU's MoE blocks sort their tokens by
+expert: prefill chunks do, verify forwards and decoding batches do not."""
+
 CUDNN_ATTENTION = "MLX_CUDA_USE_CUDNN_SDPA"
 """MLX's own switch for cuDNN attention on CUDA, which `apply_process_settings`
 sets from `EngineOptions.cudnn_attention` unless the user set it."""
@@ -81,6 +85,9 @@ class EngineOptions:
         rowwise_linears: Few-row dense products as batched matrix-vector
             products (None: on CUDA).
         contiguous_moe: MoE routing indices made contiguous once per block.
+        moe_sort_min: With ``contiguous_moe``, sort the experts' tokens from
+            this many routed (token, expert) selections (None: mlx-lm's 64 on
+            the CPU, `GPU_MOE_SORT_MIN` on GPUs).
         state_capture: Verify forwards record per-token recurrent states, so
             a commit is a lookup; False snapshots and replays instead.
         cudnn_attention: cuDNN's fused attention on CUDA (MLX's default);
@@ -99,6 +106,7 @@ class EngineOptions:
     compile_head: bool | None = None
     rowwise_linears: bool | None = None
     contiguous_moe: bool = True
+    moe_sort_min: int | None = None
     state_capture: bool = True
     cudnn_attention: bool = False
 
@@ -108,6 +116,9 @@ class EngineOptions:
             if f.name == "few_rows":
                 if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 256:
                     raise ValueError(f"few_rows must be an int in 0..256, got {value!r}")
+            elif f.name == "moe_sort_min":
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    raise ValueError(f"moe_sort_min must be a positive int or None, got {value!r}")
             elif f.type == "bool | None":
                 if value is not None and not isinstance(value, bool):
                     raise ValueError(f"{f.name} must be True, False or None, got {value!r}")
@@ -151,11 +162,13 @@ class EngineOptions:
         types = {f.name: f.type for f in fields(cls)}
         if not sep or name not in types:
             raise ValueError(f"--fast-path takes NAME=VALUE with NAME one of {', '.join(types)}; got {text!r}")
-        if name == "few_rows":
+        if name in ("few_rows", "moe_sort_min"):
+            if name == "moe_sort_min" and value.strip().lower() == "auto":
+                return name, None
             try:
                 return name, int(value)
             except ValueError:
-                raise ValueError(f"few_rows must be an integer, got {value!r}") from None
+                raise ValueError(f"{name} must be an integer, got {value!r}") from None
         if types[name] == "bool | None" and value.strip().lower() == "auto":
             return name, None
         return name, parse_bool(name, value)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mtp_engine  # noqa: F401  (first: it routes MLX's CPU matmuls before MLX loads)
+
+# isort: split
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.utils import load as mlx_lm_load
 
-import mtp_engine  # noqa: F401  (first: it routes MLX's CPU matmuls before MLX loads)
 from mtp_engine.io.tiny import make_tiny_checkpoint, tiny_config
 
 # Prompts for the tiny models (tokenized by their BPE tokenizer).

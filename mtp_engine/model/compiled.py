@@ -35,7 +35,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
 
-from mtp_engine.cache.capture import EngineKVCache, StateCaptureCache
+from mtp_engine.cache.batch import BatchKVCache
+from mtp_engine.cache.capture import (
+    ConvWindows,
+    EngineKVCache,
+    StackedStates,
+    StateCaptureCache,
+)
 from mtp_engine.model.gated_delta import mix_tokens
 from mtp_engine.model.mtp_head import MTPDecoderLayer, MTPHead, mlp_residual
 from mtp_engine.model.swap import share_weights
@@ -58,16 +64,20 @@ class CompiledDecoderLayer(Qwen3NextDecoderLayer):
         out, conv_states, ssm_states = mix_tokens(
             self.linear_attn, self.input_layernorm(x), conv_state, state
         )
-        return [mlp_residual(self, x + out), *conv_states, *ssm_states]
+        # The states of every token as two arrays (the conv inputs and the
+        # stacked recurrent states): a commit slices out the one it keeps.
+        stacked = ssm_states.states if isinstance(ssm_states, StackedStates) else mx.stack(list(ssm_states))
+        return [mlp_residual(self, x + out), conv_states.conv_input, stacked]
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         width = x.shape[1]
         if width <= MAX_COMPILED_WIDTH:
             if self.is_linear and _compiled_linear_ok(cache, mask, width):
                 res = self._linear_fn(x, cache[0], cache[1])
-                cache.record(width, res[1 : 1 + width], res[1 + width :])
+                n_keep = self.linear_attn.conv_kernel_size - 1
+                cache.record(width, ConvWindows(res[1], n_keep), StackedStates(res[2]))
                 return res[0]
-            if not self.is_linear and isinstance(cache, EngineKVCache):
+            if not self.is_linear and isinstance(cache, (EngineKVCache, BatchKVCache)):
                 h = x + self.self_attn(self.input_layernorm(x), mask, cache)
                 return self._mlp_fn(h)
         return super().__call__(x, mask=mask, cache=cache)

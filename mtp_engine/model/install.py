@@ -17,9 +17,9 @@ from mtp_engine.kernels import cpu_activations, recurrence
 from mtp_engine.model.activations import install_fast_activations
 from mtp_engine.model.compiled import install_compiled_layers
 from mtp_engine.model.gated_delta import gated_delta_layers, install_state_capture
-from mtp_engine.model.moe import install_moe_blocks
+from mtp_engine.model.moe import MLX_LM_SORT_MIN, install_moe_blocks
 from mtp_engine.model.rowwise import install_rowwise_linears
-from mtp_engine.options import EngineOptions, FastPathStatus
+from mtp_engine.options import GPU_MOE_SORT_MIN, EngineOptions, FastPathStatus
 
 
 def decide(name: str, wanted: bool | None, default: bool, why_not: str | None, on: str) -> FastPathStatus:
@@ -62,9 +62,11 @@ def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOpti
     capture = "per-token states, commit is a lookup" if layers else "nothing to capture (no gated-delta layers)"
     statuses.append(decide("state_capture", options.state_capture, True, None, capture))
 
-    statuses.append(decide("contiguous_moe", options.contiguous_moe, True, None, "routing indices copied once"))
+    sort_min = options.moe_sort_min or (MLX_LM_SORT_MIN if on_cpu else GPU_MOE_SORT_MIN)
+    statuses.append(decide("contiguous_moe", options.contiguous_moe, True, None,
+                           f"routing indices copied once; tokens sorted by expert from {sort_min} selections"))
     if options.contiguous_moe:
-        install_moe_blocks(model, head)
+        install_moe_blocks(model, head, sort_min=sort_min)
 
     rowwise = decide("rowwise_linears", options.rowwise_linears, on_cuda, None, "few-row dense products row by row")
     statuses.append(rowwise)

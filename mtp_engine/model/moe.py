@@ -1,4 +1,5 @@
-"""The MoE block with its routing indices made contiguous once.
+"""The MoE block with its routing indices made contiguous once, and its
+experts' tokens sorted only past a set number of routed selections.
 
 mlx-lm's ``Qwen3NextSparseMoeBlock`` takes the top-k experts as a slice of
 ``argpartition``'s output, ``[..., -k:]``. Over one token that slice is
@@ -9,6 +10,14 @@ backend: about five small copy kernels per layer and verify forward, on a
 GPU where a speculative step is bound by kernel launches. Copying the
 indices once before those reads gives the same values, so the block's
 arithmetic is unchanged (tested bit for bit against mlx-lm's block).
+
+mlx-lm's ``SwitchGLU`` sorts the tokens by expert once ``tokens x top_k``
+reaches 64, which turns the expert products into grouped GEMMs: right for a
+prompt's prefill, but a verify forward of an 80B-A3B-shaped model (top-10)
+crosses 64 at 7 tokens, and batched decoding always does.
+`EngineSparseMoeBlock.sort_min` sets that threshold (`EngineOptions.moe_sort_min`;
+by default mlx-lm's on the CPU, where the outputs stay bit for bit the same,
+and higher on GPUs: docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -16,12 +25,42 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
+from mlx_lm.models.switch_layers import (  # mlx-lm is pinned to 0.32.x
+    SwitchGLU,
+    _gather_sort,
+    _scatter_unsort,
+)
 
 from mtp_engine.model.swap import share_weights, swap_modules
 
+MLX_LM_SORT_MIN = 64
+"""mlx-lm's threshold: sort once this many (token, expert) selections are routed."""
+
+
+def switch_glu(switch: SwitchGLU, x: mx.array, indices: mx.array, sort_min: int) -> mx.array:
+    """mlx-lm 0.32's ``SwitchGLU.__call__`` with the sort threshold as a parameter."""
+    x = mx.expand_dims(x, (-2, -3))
+    indices = mx.stop_gradient(indices)
+    do_sort = indices.size >= sort_min
+    idx, inv_order = indices, None
+    if do_sort:
+        x, idx, inv_order = _gather_sort(x, indices)
+    x_up = switch.up_proj(x, idx, sorted_indices=do_sort)
+    x_gate = switch.gate_proj(x, idx, sorted_indices=do_sort)
+    x = switch.down_proj(switch.activation(x_up, x_gate), idx, sorted_indices=do_sort)
+    if do_sort:
+        x = _scatter_unsort(x, inv_order, indices.shape)
+    return x.squeeze(-2)
+
 
 class EngineSparseMoeBlock(Qwen3NextSparseMoeBlock):
-    """``Qwen3NextSparseMoeBlock`` with contiguous routing indices."""
+    """``Qwen3NextSparseMoeBlock`` with contiguous routing indices.
+
+    Attributes:
+        sort_min: Routed selections from which the experts' tokens are sorted.
+    """
+
+    sort_min: int = MLX_LM_SORT_MIN
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.sharding_group is not None:  # the distributed path stays mlx-lm's
@@ -32,11 +71,17 @@ class EngineSparseMoeBlock(Qwen3NextSparseMoeBlock):
         scores = mx.take_along_axis(gates, inds, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
-        y = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
+        y = (switch_glu(self.switch_mlp, x, inds, self.sort_min) * scores[..., None]).sum(axis=-2)
         return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
-def install_moe_blocks(*modules: nn.Module) -> int:
+def install_moe_blocks(*modules: nn.Module, sort_min: int = MLX_LM_SORT_MIN) -> int:
     """Swap every ``Qwen3NextSparseMoeBlock`` under ``modules`` for an
     `EngineSparseMoeBlock` sharing its weights; returns how many."""
-    return swap_modules(modules, {Qwen3NextSparseMoeBlock: lambda m: share_weights(EngineSparseMoeBlock, m)})
+
+    def swap(block):
+        new = share_weights(EngineSparseMoeBlock, block)
+        new.sort_min = sort_min
+        return new
+
+    return swap_modules(modules, {Qwen3NextSparseMoeBlock: swap})

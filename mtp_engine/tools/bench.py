@@ -27,7 +27,6 @@ import mlx_lm
 import orjson
 from mlx_lm.generate import generate_step
 
-from mtp_engine.batch import BatchDecoder
 from mtp_engine.cache.capture import StateCaptureCache, make_main_cache
 from mtp_engine.engine import MTPEngine
 from mtp_engine.kernels import cpu_blas
@@ -35,6 +34,11 @@ from mtp_engine.model.compiled import CompiledDecoderLayer
 from mtp_engine.model.gated_delta import recurrence_path
 from mtp_engine.model.rowwise import RowwiseLinear
 from mtp_engine.options import EngineOptions
+from mtp_engine.tools.dataset_bench import (
+    dataset_suite,
+    print_dataset_table,
+    run_batched,
+)
 from mtp_engine.tools.synthetic import (
     qwen3_next_80b_config,
     random_quantized_checkpoint,
@@ -382,38 +386,21 @@ def cost_model(costs: dict, rows: list[dict], totals: dict | None = None) -> dic
 
 
 def batch_throughput(engine, prompts, max_tokens: int, sizes: list[int]) -> list[dict]:
-    """Tokens/s over the whole prompt set with continuous batching, each
-    size after an untimed warm-up (one batch of ``size`` prompts, a few
-    tokens): the first batch of a size meets new shapes, and on a GPU new
-    kernels to compile."""
+    """Tokens/s over the whole prompt set with plain batching (the engine's
+    batched decoder, no drafts), each size after an untimed warm-up (a few
+    tokens of one batch): the first batch of a size meets new shapes, and on
+    a GPU new kernels to compile. The dataset suite (``--suite dataset``)
+    adds batched speculation."""
     out = []
     for size in sizes:
         try:
-            _drain(engine, prompts[:size], min(max_tokens, 8), size)
-            tokens, elapsed = _drain(engine, prompts, max_tokens, size)
+            run_batched(engine, prompts[:size], min(max_tokens, 8), size, 0)
+            run = run_batched(engine, prompts, max_tokens, size, 0)
         except RuntimeError as e:  # a backend failure at one size loses only that size
             out.append({"mode": f"batch-b{size}", "tokens_per_s": None, "error": f"{type(e).__name__}: {e}"})
             continue
-        out.append({"mode": f"batch-b{size}", "tokens_per_s": round(tokens / elapsed, 2), "tokens": tokens})
+        out.append({"mode": f"batch-b{size}", "tokens_per_s": round(run.tokens / run.seconds, 2), "tokens": run.tokens})
     return out
-
-
-def _drain(engine, prompts, max_tokens: int, size: int) -> tuple[int, float]:
-
-    decoder = BatchDecoder(engine, size)
-    t = time.perf_counter()
-    pending = list(enumerate(prompts))
-    tokens = 0
-    try:
-        while pending or decoder.pending:
-            while pending and decoder.pending < size:
-                i, ids = pending.pop(0)
-                decoder.add(i, ids, max_tokens=max_tokens)
-            for _, result in decoder.step():
-                tokens += len(result.tokens)
-    finally:
-        decoder.close()
-    return tokens, time.perf_counter() - t
 
 
 def add_fast_path_option(parser: argparse.ArgumentParser) -> None:
@@ -494,6 +481,17 @@ def main(argv=None) -> int:
     parser.add_argument("--time-budget", type=float, default=None, help="seconds; later contexts are skipped past it")
     parser.add_argument("--json", help="write the report here")
     add_fast_path_option(parser)
+    parser.add_argument("--suite", choices=["single", "dataset"], default="single",
+                        help="single: every mode one prompt at a time; dataset: throughput over the prompt set "
+                        "(plain, single-sequence chain, plain batching and batched speculation at each batch size)")
+    parser.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3, 4],
+                        help="dataset suite: K of batched speculation")
+    parser.add_argument("--single-k", type=int, default=4, help="dataset suite: K of the single-sequence chain")
+    parser.add_argument("--acceptance-profile", default=None,
+                        help="dataset suite: project drafts at this cumulative profile, e.g. 0.93,0.82,0.64 "
+                        "(random-weight models)")
+    parser.add_argument("--mlx-lm-batch", action=argparse.BooleanOptionalAction, default=True,
+                        help="dataset suite: also time mlx-lm's BatchGenerator")
     args = parser.parse_args(argv)
     log = lambda m: print(m, flush=True)
 
@@ -524,9 +522,15 @@ def main(argv=None) -> int:
         if args.time_budget and time.perf_counter() - started > args.time_budget:
             log(f"time budget spent; skipping context {context}")
             continue
-        run = suite(engine, args, context, log, first=i == 0)
+        if args.suite == "dataset":
+            args.context = context
+            prompts = read_prompts(engine, args.prompts, args.limit, context)
+            run = dataset_suite(engine, prompts, args, log)
+            print_dataset_table(run, log)
+        else:
+            run = suite(engine, args, context, log, first=i == 0)
+            print_table(run, log)
         report["runs"].append(run)
-        print_table(run, log)
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(_flat(report), indent=2))

@@ -125,7 +125,7 @@ def test_merge_refuses_overlapping_ids_and_other_configs(tmp_path, job_model, jo
     c = write_jsonl(tmp_path / "c.jsonl", rows[4:8])
     run_job(job_config(a, job_model, tmp_path / "out_a"), engine=job_engine)
     run_job(job_config(c, job_model, tmp_path / "out_c"), engine=job_engine)
-    with pytest.raises(MergeError, match="id 'row-4' is in both"):
+    with pytest.raises(MergeError, match="id 'row-[4-5]' is in both"):
         merge([tmp_path / "out_a", tmp_path / "out_c"], tmp_path / "m1")
     assert not (tmp_path / "m1").exists() or not any((tmp_path / "m1").iterdir())
     d = write_jsonl(tmp_path / "d.jsonl", rows[10:12])

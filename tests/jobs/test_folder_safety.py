@@ -206,31 +206,34 @@ def test_a_damaged_shard_is_quarantined_and_its_rows_redone(tmp_path, dataset, j
 # -- two jobs, kills -----------------------------------------------------------------
 
 
-def _cmd(dataset, model, out, rows_per_shard=2) -> list[str]:
+def _cmd(dataset, model, out, *extra) -> list[str]:
     return [sys.executable, "-m", "jobs", "generate", "--dataset", str(dataset), "--model", str(model),
-            "--output", str(out), "--max-tokens", "8", "--rows-per-shard", str(rows_per_shard)]
+            "--output", str(out), "--max-tokens", "8", "--rows-per-shard", "2", *extra]
 
 
 def test_a_second_job_on_the_folder_is_refused_naming_the_holder(tmp_path, job_model, job_engine):
-    many = write_jsonl(tmp_path / "many.jsonl", prompt_rows(120))
+    many = write_jsonl(tmp_path / "many.jsonl", prompt_rows(400))
     out = tmp_path / "out"
-    first = subprocess.Popen(_cmd(many, job_model, out), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    slow = ("--mode", "tree")  # one row at a time: the job outlasts the second command
+    first = subprocess.Popen(_cmd(many, job_model, out, *slow), cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and not (out / "state.json").exists():
             time.sleep(0.05)
-        second = subprocess.run(_cmd(many, job_model, out), cwd=ROOT, capture_output=True, text=True, timeout=300)
+        second = subprocess.run(_cmd(many, job_model, out, *slow), cwd=ROOT, capture_output=True, text=True,
+                                timeout=300)
         assert second.returncode == 1
         error = second.stderr.strip().splitlines()[-1]
         assert error.startswith("error: ") and f"pid {first.pid} on host" in error and "in use by another job" in error
         with pytest.raises(FolderInUse):  # in-process too
-            run(many, job_model, job_engine, out)
+            run(many, job_model, job_engine, out, mode="tree")
         first.send_signal(signal.SIGKILL)  # the OS releases the lock with the process
         first.wait(timeout=60)
     finally:
         if first.poll() is None:
             first.kill()
-    run(many, job_model, job_engine, out, limit=10)
+    run(many, job_model, job_engine, out, mode="tree", limit=10)
     done = rows_by_id(out)
     assert len(done) == len(set(done)) >= 10
 

@@ -88,13 +88,15 @@ def test_changed_model_template_or_decoding_is_refused(tmp_path, job_model, job_
 
     for change, pattern in [
         (dict(max_tokens=17), r"decoding.max_tokens: 16 -> 17"),
-        (dict(mode="tree"), r"decoding.mode: 'chain' -> 'tree'"),
-        (dict(draft_tokens=2), r"decoding.draft_tokens: 4 -> 2"),
         (dict(system_prompt="Be brief."), r"rendering.system_prompt"),
     ]:
         with pytest.raises(FingerprintMismatch, match=pattern) as info:
             run_job(job_config(dataset, job_model, out, **change), engine=job_engine)
         assert "--overwrite" in str(info.value)
+    # Settings that change only the speed resume the folder (every mode is lossless).
+    for change in (dict(mode="tree"), dict(draft_tokens=2), dict(mode="baseline", batch_size=2)):
+        again = run_job(job_config(dataset, job_model, out, **change), engine=job_engine)
+        assert again.committed == 0 and again.done == 4
 
     # Another model (a copy with a different chat template).
     other = tmp_path / "other_model"
@@ -138,7 +140,7 @@ def test_batch_mode_equals_one_row_at_a_time(tmp_path, job_model, job_engine, ba
 def test_a_backend_that_cannot_batch_falls_back_to_one_row_at_a_time(tmp_path, job_model, job_engine, monkeypatch):
     import io
 
-    from mtp_engine.batch import BatchDecoder
+    from mtp_engine.batched import BatchedDecoder
 
     calls = {"step": 0}
 
@@ -149,7 +151,7 @@ def test_a_backend_that_cannot_batch_falls_back_to_one_row_at_a_time(tmp_path, j
     rows = prompt_rows(9)
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
     run_job(job_config(dataset, job_model, tmp_path / "single", mode="baseline"), engine=job_engine)
-    monkeypatch.setattr(BatchDecoder, "step", failing_step)
+    monkeypatch.setattr(BatchedDecoder, "step", failing_step)
     log = io.StringIO()
     summary = run_job(job_config(dataset, job_model, tmp_path / "batch", mode="batch", batch_size=2),
                       engine=job_engine, stream=log)
@@ -232,7 +234,8 @@ class FlakyEngine(MTPEngine):
 def test_failed_generation_is_retried_once_then_becomes_an_error_row(tmp_path, job_model):
     engine = FlakyEngine(MTPEngine.load(job_model).checkpoint)
     rows = [{"id": "a", "prompt": "flaky row"}, {"id": "b", "prompt": "broken row"}, {"id": "c", "prompt": "fine"}]
-    summary = run_job(job_config(write_jsonl(tmp_path / "in.jsonl", rows), job_model, tmp_path / "out"), engine=engine)
+    summary = run_job(job_config(write_jsonl(tmp_path / "in.jsonl", rows), job_model, tmp_path / "out", batch_size=1),
+                      engine=engine)
     out = load_rows(tmp_path / "out")
     assert out["a"]["finish_reason"] in ("stop", "length")
     assert out["b"]["error"] == "generation_failed: RuntimeError: simulated failure on broken"
@@ -309,3 +312,17 @@ def test_a_job_logs_one_line_per_fast_path(tmp_path, job_model, job_engine):
     lines = [line for line in log.getvalue().splitlines() if line.startswith("fast path ")]
     names = [line.split()[2].rstrip(":") for line in lines]
     assert set(names) == {s.name for s in job_engine.fast_paths} and len(names) == len(set(names)) == 12
+
+
+def test_batched_speculation_writes_the_rows_one_at_a_time_writes(tmp_path, job_model, job_engine):
+    rows = prompt_rows(11) + [{"id": "short", "prompt": PROMPT_TEXTS[3], "max_tokens": 3}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    run_job(job_config(dataset, job_model, tmp_path / "single", batch_size=1), engine=job_engine)
+    summary = run_job(job_config(dataset, job_model, tmp_path / "batched", batch_size=5, draft_tokens=3),
+                      engine=job_engine)
+    single, batched = load_rows(tmp_path / "single"), load_rows(tmp_path / "batched")
+    assert single.keys() == batched.keys() and summary.done == 12
+    for rid in single:
+        for col in ("completion", "completion_tokens", "finish_reason", "prompt_tokens"):
+            assert single[rid][col] == batched[rid][col], (rid, col)
+        assert batched[rid]["acceptance"]["mode"] == "chain" and batched[rid]["acceptance"]["steps"] >= 1

@@ -29,3 +29,29 @@ def test_loaded_models_run_the_engine_block(tiny_engine):
     assert all(type(m) is EngineSparseMoeBlock for m in trunk + head)
     # Installing again finds nothing left to swap.
     assert install_moe_blocks(tiny_engine.model, tiny_engine.checkpoint.head) == 0
+
+
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_the_sort_threshold_changes_the_kernels_not_the_values(tokens):
+    """Sorted (grouped) and unsorted expert products give the same values
+    to float rounding, whatever threshold picks between them; mlx-lm's
+    threshold keeps mlx-lm's bits (above)."""
+    mx.random.seed(tokens)
+    args = ModelArgs.from_dict(tiny_config())
+    block = Qwen3NextSparseMoeBlock(args)
+    x = mx.random.normal((2, tokens, args.hidden_size))
+    outputs = []
+    for sort_min in (1, 10**9):
+        ours = share_weights(EngineSparseMoeBlock, block)
+        ours.sort_min = sort_min
+        outputs.append(ours(x))
+    assert mx.allclose(*outputs, atol=1e-5, rtol=1e-5).item()
+
+
+def test_the_engine_reports_its_sort_threshold(tiny_path):
+    from mtp_engine import MTPEngine
+
+    engine = MTPEngine.load(tiny_path, moe_sort_min=256)
+    assert {m.sort_min for m in (layer.mlp for layer in engine.model.layers)} == {256}
+    status = next(s for s in engine.fast_paths if s.name == "contiguous_moe")
+    assert "sorted by expert from 256 selections" in status.detail

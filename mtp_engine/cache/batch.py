@@ -1,0 +1,294 @@
+"""Caches for a batch of rows that speculate together.
+
+In a batched verify forward every row feeds ``K+1`` inputs and keeps its
+own accepted prefix. Two cache kinds follow that:
+
+- `BatchKVCache` (attention layers, the MTP head): every row writes a
+  forward's entries at the same buffer index, so the write is one slice
+  update. After the verify, each row keeps a prefix of them; the rest
+  become *holes*: a per-row validity map masks them for every later query,
+  and RoPE positions are per row (the count of a row's valid entries). No
+  row's keys are ever moved or replayed. A suffix rejected by every row is
+  trimmed, so a batch of one never has holes.
+- `StateCaptureCache` (gated-delta layers) with a batch axis: the verify
+  forward captures per-token states for every row, and `commit_rows` takes,
+  per row, the state after that row's last accepted input (one gather).
+
+Rows join (`BatchKVCache.add_row`, ``StateCaptureCache.extend``) after their
+own prefill and leave (``filter``) between steps.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from mtp_engine.cache.capture import StateCaptureCache
+
+
+class BatchKVCache:
+    """An attention layer's keys and values for a batch of ragged rows.
+
+    Attributes:
+        keys, values: ``[B, heads, capacity, head_dim]`` buffers (None while empty).
+        valid: ``[B, capacity]`` bool: which written entries each row attends.
+        idx: Entries written so far (every row writes at the same index).
+        positions: Each row's next RoPE position (its valid entries).
+        holes: Whether any entry below ``idx`` is invalid for some row.
+    """
+
+    step = 256
+
+    def __init__(self, batch: int = 0):
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.valid: mx.array | None = None
+        self.idx = 0
+        self.positions: list[int] = [0] * batch
+        self.holes = False
+
+    # -- the KVCache protocol mlx-lm's attention uses ---------------------
+
+    @property
+    def offset(self) -> mx.array:
+        """Per-row RoPE offsets of the next forward's first input, ``[B]``."""
+        return mx.array(self.positions, dtype=mx.int32)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """The attention mask of the next forward over ``N`` inputs per row:
+        ``[B, 1, N, idx + N]`` bool (earlier entries where valid, the new
+        ones causally), or "causal" / None where no row has a hole."""
+        if window_size is not None:
+            raise ValueError("BatchKVCache has no sliding window")
+        if not self.holes and not return_array:
+            return "causal" if N > 1 else None
+        B = len(self.positions)
+        causal = mx.tril(mx.ones((N, N), dtype=mx.bool_))
+        block = mx.broadcast_to(causal[None, None], (B, 1, N, N))
+        if self.idx == 0:
+            return block
+        old = mx.broadcast_to(self.valid[:, None, None, : self.idx], (B, 1, N, self.idx))
+        return mx.concatenate([old, block], axis=-1)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Write ``[B, heads, N, dim]`` new entries at ``idx`` (valid until
+        `settle` says otherwise) and return every row's entries so far."""
+        n = keys.shape[2]
+        self._reserve(keys, values, n)
+        self.keys[..., self.idx : self.idx + n, :] = keys
+        self.values[..., self.idx : self.idx + n, :] = values
+        self.valid[:, self.idx : self.idx + n] = True
+        self.idx += n
+        self.positions = [p + n for p in self.positions]
+        return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
+
+    def _reserve(self, keys: mx.array, values: mx.array, n: int) -> None:
+        if self.keys is not None and self.idx + n <= self.keys.shape[2]:
+            return
+        B, heads, _, k_dim = keys.shape
+        grow = (n + self.step - 1) // self.step * self.step
+        new_k = mx.zeros((B, heads, grow, k_dim), keys.dtype)
+        new_v = mx.zeros((B, heads, grow, values.shape[3]), values.dtype)
+        new_valid = mx.zeros((B, grow), dtype=mx.bool_)
+        if self.keys is None:
+            self.keys, self.values, self.valid = new_k, new_v, new_valid
+        else:
+            self.keys = mx.concatenate([self.keys[..., : self.idx, :], new_k], axis=2)
+            self.values = mx.concatenate([self.values[..., : self.idx, :], new_v], axis=2)
+            self.valid = mx.concatenate([self.valid[:, : self.idx], new_valid], axis=1)
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.valid
+
+    def is_trimmable(self) -> bool:
+        return False  # rows keep different prefixes: see `settle`
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.positions)
+
+    # -- speculation -------------------------------------------------------
+
+    def settle(self, keep: list[int], width: int) -> None:
+        """After a forward over ``width`` inputs per row, row ``b`` keeps the
+        first ``keep[b]`` of them; the others become holes. A suffix no row
+        keeps is trimmed instead."""
+        if len(keep) != len(self.positions):
+            raise ValueError(f"{len(keep)} keep counts for {len(self.positions)} rows")
+        if any(not 0 <= k <= width for k in keep):
+            raise ValueError(f"keep counts must be in 0..{width}, got {keep}")
+        self.positions = [p - width + k for p, k in zip(self.positions, keep)]
+        trimmed = width - max(keep, default=width)
+        self.idx -= trimmed
+        width -= trimmed
+        if all(k == width for k in keep):
+            return
+        start = self.idx - width
+        self.valid[:, start : self.idx] = mx.arange(width)[None] < mx.array(keep)[:, None]
+        self.holes = True
+
+    def rewind(self, idx: int, positions: list[int]) -> None:
+        """Forget every entry from ``idx`` on (what drafting wrote)."""
+        if not 0 <= idx <= self.idx:
+            raise ValueError(f"cannot rewind to {idx}; {self.idx} entries are written")
+        self.idx = idx
+        self.positions = list(positions)
+
+    # -- rows joining and leaving -------------------------------------------
+
+    def add_row(self, keys: mx.array | None, values: mx.array | None, length: int) -> None:
+        """Append a row whose ``length`` entries are ``keys``/``values``
+        ``[1, heads, >= length, dim]`` (a prefilled batch-of-one cache).
+        The row's entries end at ``idx`` (the others' next write index); if
+        it is longer than ``idx``, the others get holes in front of theirs."""
+        if length == 0 or keys is None:
+            self._append(None, None, 0)
+            return
+        keys, values = keys[..., :length, :], values[..., :length, :]
+        if length > self.idx:
+            self._shift_to(length, keys, values)
+        self._append(keys, values, length)
+
+    def _shift_to(self, idx: int, keys: mx.array, values: mx.array) -> None:
+        """Move the write index up to ``idx``; the rows so far get holes."""
+        if self.keys is None:
+            heads, dim_k, dim_v = keys.shape[1], keys.shape[3], values.shape[3]
+            B = len(self.positions)
+            self.keys = mx.zeros((B, heads, 0, dim_k), keys.dtype)
+            self.values = mx.zeros((B, heads, 0, dim_v), values.dtype)
+            self.valid = mx.zeros((B, 0), dtype=mx.bool_)
+        gap = idx - self.idx
+        B, heads = self.keys.shape[:2]
+        self.keys = mx.concatenate(
+            [self.keys[..., : self.idx, :], mx.zeros((B, heads, gap, self.keys.shape[3]), self.keys.dtype)], axis=2)
+        self.values = mx.concatenate(
+            [self.values[..., : self.idx, :], mx.zeros((B, heads, gap, self.values.shape[3]), self.values.dtype)],
+            axis=2)
+        self.valid = mx.concatenate([self.valid[:, : self.idx], mx.zeros((B, gap), dtype=mx.bool_)], axis=1)
+        self.idx = idx
+        if B:
+            self.holes = True
+
+    def _append(self, keys: mx.array | None, values: mx.array | None, length: int) -> None:
+        pad = self.idx - length
+        if self.keys is None:  # nothing written yet, by any row
+            self.positions.append(length)
+            return
+        heads = self.keys.shape[1]
+        if keys is None:
+            keys = mx.zeros((1, heads, 0, self.keys.shape[3]), self.keys.dtype)
+            values = mx.zeros((1, heads, 0, self.values.shape[3]), self.values.dtype)
+        row_k = mx.concatenate([mx.zeros((1, heads, pad, keys.shape[3]), keys.dtype), keys], axis=2)
+        row_v = mx.concatenate([mx.zeros((1, heads, pad, values.shape[3]), values.dtype), values], axis=2)
+        row_valid = mx.arange(self.idx)[None] >= pad
+        self.keys = mx.concatenate([self.keys[..., : self.idx, :], row_k.astype(self.keys.dtype)], axis=0)
+        self.values = mx.concatenate([self.values[..., : self.idx, :], row_v.astype(self.values.dtype)], axis=0)
+        self.valid = mx.concatenate([self.valid[:, : self.idx], row_valid], axis=0)
+        self.positions.append(length)
+        if pad:
+            self.holes = True
+
+    def filter(self, rows: list[int]) -> None:
+        """Keep only these rows (in this order); drop entries no row attends."""
+        self.positions = [self.positions[r] for r in rows]
+        if self.keys is None:
+            return
+        index = mx.array(rows, dtype=mx.int32)
+        self.keys, self.values, self.valid = self.keys[index], self.values[index], self.valid[index]
+        if not rows:
+            self.keys = self.values = self.valid = None
+            self.idx, self.holes = 0, False
+            return
+        # Leading entries that every remaining row has as holes go.
+        lead = int(mx.argmax(mx.any(self.valid[:, : self.idx], axis=0)).item()) if self.idx else 0
+        if lead:
+            self.keys, self.values = self.keys[..., lead:, :], self.values[..., lead:, :]
+            self.valid = self.valid[:, lead:]
+            self.idx -= lead
+        self.holes = bool((~self.valid[:, : self.idx]).any().item()) if self.idx else False
+
+
+def single_to_batch(cache: KVCache) -> BatchKVCache:
+    """A batch-of-one `BatchKVCache` holding a prefilled ``KVCache``'s entries."""
+    batch = BatchKVCache()
+    batch.add_row(cache.keys, cache.values, cache.offset)
+    return batch
+
+
+def commit_rows(caches: list, width: int, keep: list[int]) -> None:
+    """After a batched verify forward over ``width`` inputs per row, row
+    ``b`` keeps its first ``keep[b]`` inputs in every cache: attention
+    caches settle (holes for the rest), recurrent caches take the state
+    captured after input ``keep[b] - 1`` of that row."""
+    every = all(k == width for k in keep)
+    for c in caches:
+        if isinstance(c, BatchKVCache):
+            c.settle(keep, width)
+        elif isinstance(c, StateCaptureCache):
+            if every:  # the forward left each row's state after its last input
+                c.clear_captured()
+            else:
+                _take_captured(c, keep)
+        else:
+            raise TypeError(f"unsupported cache type {type(c).__name__} in a batch")
+
+
+def _take_captured(cache: StateCaptureCache, keep: list[int]) -> None:
+    captured = cache.captured
+    if captured is None:
+        raise ValueError("the last forward captured no states (begin_capture before the verify)")
+    if len(set(keep)) == 1:
+        cache.cache = list(captured[keep[0] - 1])
+    else:
+        last = mx.array([k - 1 for k in keep], dtype=mx.int32)
+        rows = mx.arange(len(keep))
+        cache.cache = [_per_row(captured.conv_states, last, rows), _per_row(captured.ssm_states, last, rows)]
+    cache.clear_captured()
+
+
+def _per_row(states, last: mx.array, rows: mx.array) -> mx.array:
+    """Row ``b`` of ``states[last[b]]`` for a sequence of ``[B, ...]`` states."""
+    conv_input = getattr(states, "conv_input", None)
+    if conv_input is not None:  # ConvWindows: each row's window out of its conv inputs [B, L, C]
+        B, L, C = conv_input.shape
+        n_keep = states.n_keep
+        index = rows[:, None] * L + last[:, None] + 1 + mx.arange(n_keep)[None]  # [B, n_keep]
+        return mx.take(conv_input.reshape(B * L, C), index.reshape(-1), axis=0).reshape(B, n_keep, C)
+    stacked = getattr(states, "states", None)
+    if stacked is None:
+        stacked = mx.stack(list(states))  # [T, B, ...]
+    T, B = stacked.shape[:2]
+    flat = stacked.reshape(T * B, -1)  # rows of whole states: the gather copies each one whole
+    return mx.take(flat, last * B + rows, axis=0).reshape(stacked.shape[1:])
+
+
+def make_batch_cache(model) -> list:
+    """Empty caches (no rows yet) for a batch through the trunk ``model``."""
+    return [StateCaptureCache(2) if layer.is_linear else BatchKVCache() for layer in model.layers]
+
+
+def append_row(batch: list, row: list, rows_before: int) -> None:
+    """Add one prefilled row (batch-of-one caches from `make_main_cache`, or
+    `BatchKVCache`s of one row) to the batch's caches."""
+    for b, r in zip(batch, row):
+        if isinstance(b, BatchKVCache):
+            if isinstance(r, BatchKVCache):
+                b.add_row(r.keys[..., : r.idx, :] if r.keys is not None else None, r.values, r.idx)
+            else:
+                b.add_row(r.keys, r.values, r.offset)
+        elif rows_before == 0:
+            b.cache = list(r.cache)
+        else:
+            b.cache = [mx.concatenate([x, y]) for x, y in zip(b.cache, r.cache)]
+
+
+def filter_rows(batch: list, rows: list[int]) -> None:
+    """Keep only these rows of the batch's caches, in this order."""
+    index = mx.array(rows, dtype=mx.int32)
+    for c in batch:
+        if isinstance(c, BatchKVCache):
+            c.filter(rows)
+        else:
+            c.cache = [x[index] if x is not None else None for x in c.cache] if rows else [None] * len(c.cache)
+            c.clear_captured()

@@ -1,0 +1,166 @@
+"""Drafting for a batch of rows that speculate together.
+
+Every step each row drafts K tokens from its own pending pairs (its last
+step's accepted tokens against the trunk's true hiddens). Two drafters:
+
+- `BatchedMLXDrafter`: the MLX head over the whole batch, one forward per
+  draft position (the first over every row's pending pairs, right-padded to
+  the longest; the padding becomes holes of its `BatchKVCache`).
+- `BatchedCppDrafter`: the C++ head, one session per row (its own KV cache,
+  nothing ragged), each chain a lazy primitive on MLX's CPU stream.
+
+Both take rows as they join (`add_row`, after the row's prefill), drop the
+rows that leave (`filter`), draft ``[B, k]`` (`draft`) and queue each row's
+accepted pairs (`commit`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mtp_engine.cache.batch import BatchKVCache
+from mtp_engine.drafters.compiled_head import MAX_COMPILED_WIDTH, CompiledHead
+from mtp_engine.drafters.cpp_head import CppDrafter
+from mtp_engine.model.mtp_head import MTPHead
+
+
+@dataclass
+class _Pending:
+    """Pending pairs of some consecutive rows: ``hidden[r, :counts[r]]``
+    with ``tokens[r]``."""
+
+    hidden: mx.array  # [rows, >= max(counts), dim]
+    tokens: list[list[int]]
+    counts: list[int]
+
+
+class BatchedMLXDrafter:
+    """Chain drafts of a batch with the MLX head.
+
+    Args:
+        head: The `MTPHead`; embed: the trunk's embedding; lm_head: hiddens
+            to logits.
+        prefill_step_size: Pairs per forward of a joining row's head prefill.
+        compiled: The head's `CompiledHead` (draft forwards in compiled
+            pieces), or None for eager forwards.
+    """
+
+    name = "mlx"
+
+    def __init__(self, head: MTPHead, embed: nn.Module, lm_head, prefill_step_size: int = 2048,
+                 compiled: CompiledHead | None = None):
+        self.head = head
+        self.embed = embed
+        self.lm_head = lm_head
+        self.prefill_step_size = prefill_step_size
+        self.compiled = compiled
+        self._greedy = mx.compile(lambda m: mx.argmax(lm_head(m), axis=-1).astype(mx.int32))
+        self.cache = [BatchKVCache() for _ in head.layers]
+        self.pending: list[_Pending] = []
+        self._base: tuple[int, list[int]] | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.cache[0].batch_size
+
+    def add_row(self, prompt_hidden: mx.array, tokens: list[int]) -> None:
+        """A joining row: the head consumes its prompt's pairs
+        ``(prompt_hidden[0, j], tokens[j])`` but the last, which stays pending."""
+        own = [BatchKVCache(1) for _ in self.head.layers]
+        n = len(tokens) - 1
+        ids = mx.array(tokens[:-1])[None]
+        for start in range(0, n, self.prefill_step_size):
+            end = min(start + self.prefill_step_size, n)
+            self.head(prompt_hidden[:, start:end], self.embed(ids[:, start:end]), own)
+            mx.eval([c.state for c in own])
+        for c, o in zip(self.cache, own):
+            c.add_row(o.keys, o.values, o.idx)
+        self.pending.append(_Pending(prompt_hidden[:, n : n + 1], [tokens[n:]], [1]))
+
+    def filter(self, rows: list[int]) -> None:
+        for c in self.cache:
+            c.filter(rows)
+        hidden, tokens, counts = self._gather_pending()
+        index = mx.array(rows, dtype=mx.int32)
+        self.pending = [_Pending(hidden[index], [tokens[r] for r in rows], [counts[r] for r in rows])] if rows else []
+
+    def _gather_pending(self) -> tuple[mx.array, list[list[int]], list[int]]:
+        """All rows' pending pairs as one right-padded block."""
+        width = max(max(p.counts) for p in self.pending)
+        blocks = []
+        for p in self.pending:
+            h = p.hidden[:, :width]
+            if h.shape[1] < width:
+                h = mx.concatenate([h, mx.zeros((h.shape[0], width - h.shape[1], h.shape[2]), h.dtype)], axis=1)
+            blocks.append(h)
+        hidden = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=0)
+        tokens = [t for p in self.pending for t in p.tokens]
+        counts = [c for p in self.pending for c in p.counts]
+        return hidden, tokens, counts
+
+    def draft(self, k: int) -> mx.array:
+        """``[B, k]`` int32 greedy drafts (lazy), one head forward per position."""
+        if k < 1:
+            raise ValueError(f"a chain draft needs k >= 1 tokens, got {k}")
+        hidden, tokens, counts = self._gather_pending()
+        width = hidden.shape[1]
+        ids = mx.array([t + [0] * (width - len(t)) for t in tokens], dtype=mx.int32)  # [B, width]
+        m = self._forward(hidden, ids)  # [B, width, dim]
+        for c in self.cache:
+            c.settle(counts, width)
+        self._base = (self.cache[0].idx, list(self.cache[0].positions))
+        last = m[:, -1:] if len(set(counts)) == 1 and counts[0] == width else (
+            m[mx.arange(len(counts)), mx.array(counts) - 1][:, None])  # [B, 1, dim]
+        drafts = [self._greedy(last[:, 0])]
+        for _ in range(k - 1):
+            mx.async_eval(drafts[-1])
+            last = self._forward(last, drafts[-1][:, None])
+            drafts.append(self._greedy(last[:, 0]))
+        return mx.stack(drafts, axis=1)
+
+    def _forward(self, hidden: mx.array, ids: mx.array) -> mx.array:
+        """The head's final-normed hiddens over ``[B, L]`` pairs."""
+        if self.compiled is not None and ids.shape[1] <= MAX_COMPILED_WIDTH:
+            return self.compiled.hiddens(hidden, ids, self.cache)
+        return self.head(hidden, self.embed(ids), self.cache)
+
+    def commit(self, hidden: mx.array, emitted: list[list[int]]) -> None:
+        """Drop what drafting wrote; queue row ``b``'s pairs
+        ``(hidden[b, j], emitted[b][j])`` (``hidden`` is the verify
+        forward's ``[B, K+1, dim]``)."""
+        if self._base is not None:
+            for c in self.cache:
+                c.rewind(*self._base)
+        self.pending = [_Pending(hidden, [list(e) for e in emitted], [len(e) for e in emitted])]
+
+
+class BatchedCppDrafter:
+    """Chain drafts of a batch with the C++ head: one session per row."""
+
+    name = "cpp"
+
+    def __init__(self, cpp: CppDrafter):
+        self.cpp = cpp
+        self.states = []
+
+    @property
+    def rows(self) -> int:
+        return len(self.states)
+
+    def add_row(self, prompt_hidden: mx.array, tokens: list[int]) -> None:
+        state = self.cpp.new_state()
+        self.cpp.set_pending(state, prompt_hidden, tokens)
+        self.states.append(state)
+
+    def filter(self, rows: list[int]) -> None:
+        self.states = [self.states[r] for r in rows]
+
+    def draft(self, k: int) -> mx.array:
+        return mx.concatenate([self.cpp.draft(s, k) for s in self.states], axis=0)
+
+    def commit(self, hidden: mx.array, emitted: list[list[int]]) -> None:
+        for row, (state, tokens) in enumerate(zip(self.states, emitted)):
+            self.cpp.commit(state, hidden, tokens, row=row)

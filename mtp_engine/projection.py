@@ -1,0 +1,65 @@
+"""Drafts projected at a published acceptance profile, for benchmarks of
+random-weight models.
+
+A model with random weights accepts nothing its MTP head drafts, so its
+speedups mean nothing. To price speculation on such a model at a realistic
+acceptance, the head still runs every step (its cost is paid), but its
+tokens are replaced by the true greedy continuation (from a plain run of the
+same prompt), each position kept with the conditional probability a
+cumulative acceptance profile implies: with profile ``(p1, p2, p3)``, draft
+1 is right with probability p1, draft 2 with p2/p1 given draft 1 was, and so
+on, the last ratio repeating past the profile's end. The first draft that is
+not kept is replaced by a wrong token. The verify forward still decides every
+emitted token, so the output equals plain decoding; figures made this way
+are labelled "projected at profile X", never measured acceptance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def parse_profile(text: str) -> tuple[float, ...]:
+    """``"0.93,0.82,0.64"`` as a non-increasing cumulative profile in (0, 1]."""
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"an acceptance profile is comma-separated probabilities, got {text!r}") from None
+    if not values or any(not 0 < v <= 1 for v in values) or any(b > a for a, b in zip(values, values[1:])):
+        raise ValueError(f"an acceptance profile must be non-increasing values in (0, 1], got {text!r}")
+    return values
+
+
+class ProjectedDrafts:
+    """Replaces one prompt's drafts by its true continuation at a profile.
+
+    Args:
+        profile: Cumulative acceptance by draft position (`parse_profile`).
+        reference: The prompt's plain greedy continuation (its tokens).
+        vocab: Vocabulary size (wrong tokens are drawn from it).
+        seed: Seeds the keep/drop draws.
+    """
+
+    def __init__(self, profile: tuple[float, ...], reference: list[int], vocab: int, seed: int = 0):
+        self.conditional = [profile[0]] + [b / a for a, b in zip(profile, profile[1:])]
+        self.reference = list(reference)
+        self.vocab = vocab
+        self.rng = np.random.default_rng(seed)
+
+    def keep_probability(self, j: int) -> float:
+        """Probability that draft ``j`` (from 0) is right given the earlier ones were."""
+        return self.conditional[min(j, len(self.conditional) - 1)]
+
+    def replace(self, drafts: list[int], emitted: int) -> list[int]:
+        """The drafts that follow ``emitted`` generated tokens (the last of
+        them is the verify's first input)."""
+        out = []
+        for j in range(len(drafts)):
+            position = emitted + j
+            true = self.reference[position] if position < len(self.reference) else drafts[j]
+            if self.rng.random() >= self.keep_probability(j):
+                out.append((true + 1) % self.vocab)
+                out += drafts[j + 1 :]
+                break
+            out.append(true)
+        return out

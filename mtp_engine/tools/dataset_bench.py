@@ -1,0 +1,250 @@
+"""Dataset throughput, side by side in one process: what a job over many
+prompts moves.
+
+``python -m mtp_engine.bench --suite dataset`` decodes the same prompts with
+plain decoding one row at a time, the single-sequence chain, plain batching
+(the engine's batched decoder without drafts, and mlx-lm's
+``BatchGenerator`` for reference) and batched speculation at each K, at
+each batch size. For each it reports aggregate completion tokens per second
+over the whole dataset (prefill included) and over decoding only (the rows'
+prefill time left out), acceptance length, peak memory, and whether every
+row equals plain decoding. A cost model prices a batched step (a verify
+forward over ``B x (K+1)`` tokens against ``B x 1``, plus drafting) and
+gives engine efficiency (measured / predicted speedup over plain batching).
+
+With ``--acceptance-profile 0.93,0.82,0.64`` (random-weight models, whose
+drafts are never right) the head still runs every step but its tokens are
+replaced by the true continuation at that profile (`mtp_engine.projection`):
+those figures are labelled "projected at profile ...".
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+
+from mtp_engine.batched import BatchedDecoder
+from mtp_engine.cache.batch import append_row, commit_rows, make_batch_cache
+from mtp_engine.cache.capture import StateCaptureCache, make_main_cache
+from mtp_engine.projection import ProjectedDrafts, parse_profile
+from mtp_engine.stopping import Finisher
+
+
+@dataclass
+class Run:
+    """One way of decoding the whole prompt set."""
+
+    mode: str
+    batch_size: int
+    draft_tokens: int
+    tokens: int = 0
+    seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    steps: int = 0
+    accepted: int = 0
+    peak_memory: int = 0
+    identical: int = 0
+    outputs: list = field(default_factory=list)
+
+    def row(self, plain: "Run | None", profile: str | None) -> dict:
+        decode_s = max(self.seconds - self.prefill_seconds, 1e-9)
+        out = {
+            "mode": self.mode,
+            "batch_size": self.batch_size,
+            "draft_tokens": self.draft_tokens,
+            "tokens": self.tokens,
+            "tokens_per_s": round(self.tokens / self.seconds, 2),
+            "decode_tokens_per_s": round(self.tokens / decode_s, 2),
+            "prefill_share": round(self.prefill_seconds / self.seconds, 3),
+            "acceptance_length": round((self.accepted + self.steps) / self.steps, 3) if self.draft_tokens else None,
+            "identical": f"{self.identical}/{len(self.outputs)}",
+            "peak_memory_gb": round(self.peak_memory / 2**30, 3),
+        }
+        if profile and self.draft_tokens:
+            out["projected_at_profile"] = profile
+        if plain is not None:
+            out["speedup_over_plain_one_at_a_time"] = round(out["tokens_per_s"] * plain.seconds / plain.tokens, 3)
+        return out
+
+
+def _projections(engine, n: int, references, profile) -> list:
+    """Each prompt's `ProjectedDrafts` (None for all without a profile)."""
+    if references is None:
+        return [None] * n
+    vocab = engine.model.args.vocab_size
+    return [ProjectedDrafts(profile, ref, vocab, seed=i) for i, ref in enumerate(references)]
+
+
+def run_batched(engine, prompts, max_tokens, batch_size, k, references=None, profile=None) -> Run:
+    """The prompt set through `BatchedDecoder` (k = 0: plain batching)."""
+    run = Run("batched chain" if k else "plain batching", batch_size, k)
+    decoder = BatchedDecoder(engine, batch_size, "chain" if k else "baseline", k or 3)
+    projections = _projections(engine, len(prompts), references if k else None, profile)
+    for i, ids in enumerate(prompts):
+        decoder.add(i, ids, max_tokens=max_tokens, projection=projections[i])
+    results = {}
+    mx.reset_peak_memory()
+    t = time.perf_counter()
+    while decoder.pending:
+        results.update(decoder.step())
+    run.seconds = time.perf_counter() - t
+    run.peak_memory = mx.get_peak_memory()
+    _collect(run, [results[i] for i in range(len(prompts))])
+    return run
+
+
+def run_single(engine, prompts, max_tokens, k, references=None, profile=None) -> Run:
+    """One prompt at a time through `MTPEngine.generate` (k = 0: plain)."""
+    run = Run("single-sequence chain" if k else "plain, one at a time", 1, k)
+    projections = _projections(engine, len(prompts), references if k else None, profile)
+    mx.reset_peak_memory()
+    t = time.perf_counter()
+    results = [engine.generate(ids, max_tokens=max_tokens, mode="chain" if k else "baseline", draft_tokens=k or 1,
+                               projection=projections[i]) for i, ids in enumerate(prompts)]
+    run.seconds = time.perf_counter() - t
+    run.peak_memory = mx.get_peak_memory()
+    _collect(run, results)
+    return run
+
+
+def _collect(run: Run, results) -> None:
+    for r in results:
+        run.tokens += len(r.tokens)
+        run.prefill_seconds += r.stats.prefill_s
+        run.steps += r.stats.steps
+        run.accepted += r.stats.accepted
+        run.outputs.append(r.tokens)
+
+
+def run_mlx_lm(engine, prompts, max_tokens, batch_size) -> Run:
+    """mlx-lm's own continuous batching (``BatchGenerator``) for reference."""
+    run = Run("mlx-lm BatchGenerator", batch_size, 0)
+    gen = BatchGenerator(engine.model, stop_tokens=[[t] for t in sorted(engine.eos_token_ids)],
+                         completion_batch_size=batch_size, prefill_batch_size=min(batch_size, 8),
+                         prefill_step_size=engine.prefill_step_size)
+    finishers = {}
+    outputs = {}
+    mx.reset_peak_memory()
+    t = time.perf_counter()
+    uids = gen.insert(prompts, [max_tokens] * len(prompts))
+    order = {uid: i for i, uid in enumerate(uids)}
+    for uid in uids:
+        finishers[uid] = Finisher(engine.tokenizer, engine.eos_token_ids, max_tokens, [])
+    while len(outputs) < len(prompts):
+        for response in gen.next_generated():
+            f = finishers[response.uid]
+            f.add([response.token])
+            if response.finish_reason is not None or f.done:
+                outputs[order[response.uid]] = f.tokens
+    gen.close()
+    run.seconds = time.perf_counter() - t
+    run.peak_memory = mx.get_peak_memory()
+    for i in range(len(prompts)):
+        run.tokens += len(outputs[i])
+        run.outputs.append(outputs[i])
+    return run
+
+
+def step_costs(engine, prompts, batch_size: int, ks: list[int], repeats: int = 10) -> dict:
+    """Median seconds of a batched verify forward over ``[B, K+1]`` (states
+    captured, then each row keeps all but its last input), for K = 0 and each
+    K, after the rows' prefill; and of a batched MLX draft of K."""
+    model = engine.model
+    caches = make_batch_cache(model)
+    rows = [prompts[i % len(prompts)] for i in range(batch_size)]
+    for n, ids in enumerate(rows):
+        c = make_main_cache(model)
+        engine._prefill(ids, c, keep_hidden=False)
+        append_row(caches, c, n)
+    out = {}
+    for k in [0, *ks]:
+        width = k + 1
+
+        def forward():
+            for c in caches:
+                if isinstance(c, StateCaptureCache) and width > 1:
+                    c.begin_capture()
+            logits = engine.lm_head(model.model(mx.full((batch_size, width), 7, dtype=mx.int32), cache=caches))
+            mx.eval(logits, [c.state for c in caches])
+            commit_rows(caches, width, [max(width - 1, 1)] * batch_size)
+            mx.eval([c.state for c in caches])
+
+        forward()
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            forward()
+            times.append(time.perf_counter() - t)
+        out[k] = sorted(times)[len(times) // 2]
+    return out
+
+
+def dataset_suite(engine, prompts, args, log) -> dict:
+    """Every way of decoding ``prompts``, side by side; returns the report."""
+    profile = args.acceptance_profile
+    log(f"dataset: {len(prompts)} prompts x {args.max_tokens} tokens"
+        + (f", drafts projected at profile {profile}" if profile else ""))
+    # Warm-up: every path once on a few prompts (kernels, traces, allocator).
+    few = prompts[: min(4, len(prompts))]
+    for b in args.batch_sizes:
+        for k in [0, *args.draft_tokens]:
+            run_batched(engine, few, 4, b, k)
+    run_single(engine, few[:1], 4, 0)
+    run_single(engine, few[:1], 4, args.single_k)
+
+    plain = run_single(engine, prompts, args.max_tokens, 0)
+    references = plain.outputs if profile else None
+    parsed = parse_profile(profile) if profile else None
+    runs = [plain, run_single(engine, prompts, args.max_tokens, args.single_k, references, parsed)]
+    log(f"  plain one at a time {plain.tokens / plain.seconds:.1f} tok/s; single-sequence chain "
+        f"K={args.single_k} {runs[-1].tokens / runs[-1].seconds:.1f} tok/s")
+    costs = {}
+    for b in args.batch_sizes:
+        if args.mlx_lm_batch:
+            runs.append(run_mlx_lm(engine, prompts, args.max_tokens, b))
+        for k in [0, *args.draft_tokens]:
+            runs.append(run_batched(engine, prompts, args.max_tokens, b, k, references, parsed))
+            r = runs[-1]
+            log(f"  B={b} {'K=' + str(k) if k else 'plain'}: {r.tokens / r.seconds:.1f} tok/s "
+                f"(decode {r.tokens / max(r.seconds - r.prefill_seconds, 1e-9):.1f})")
+        costs[b] = step_costs(engine, prompts, b, args.draft_tokens)
+    for r in runs:
+        r.identical = sum(a == b for a, b in zip(r.outputs, plain.outputs))
+    rows = [r.row(plain, profile) for r in runs]
+    return {"settings": {"prompts": len(prompts), "max_tokens": args.max_tokens, "context": args.context,
+                         "acceptance_profile": profile}, "dataset_runs": rows,
+            "batched_cost_model": batched_cost_model(costs, rows)}
+
+
+def batched_cost_model(costs: dict, rows: list[dict]) -> list[dict]:
+    """Per batch size and K: a verify forward over B x (K+1) against B x 1,
+    the speedup over plain batching they predict at the measured acceptance,
+    the measured decode speedup, and their ratio (engine efficiency)."""
+    out = []
+    plain = {r["batch_size"]: r for r in rows if r["mode"] == "plain batching"}
+    for r in rows:
+        if r["mode"] != "batched chain" or r["batch_size"] not in costs:
+            continue
+        c, k = costs[r["batch_size"]], r["draft_tokens"]
+        predicted = r["acceptance_length"] * c[0] / c[k]
+        measured = r["decode_tokens_per_s"] / plain[r["batch_size"]]["decode_tokens_per_s"]
+        out.append({"batch_size": r["batch_size"], "draft_tokens": k, "verify_ratio": round(c[k] / c[0], 3),
+                    "forward_1_ms": round(c[0] * 1e3, 3), "predicted_speedup": round(predicted, 3),
+                    "measured_decode_speedup": round(measured, 3), "efficiency": round(measured / predicted, 3)})
+    return out
+
+
+def print_dataset_table(report: dict, log) -> None:
+    log(f"{'mode':<24}{'B':>4}{'K':>3}{'tok/s':>9}{'decode':>9}{'x plain':>9}{'accept':>8}{'ident':>8}{'peakGB':>8}")
+    for r in report["dataset_runs"]:
+        al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
+        log(f"{r['mode']:<24}{r['batch_size']:>4}{r['draft_tokens']:>3}{r['tokens_per_s']:>9.1f}"
+            f"{r['decode_tokens_per_s']:>9.1f}{r.get('speedup_over_plain_one_at_a_time', 0):>9.2f}{al:>8}"
+            f"{r['identical']:>8}{r['peak_memory_gb']:>8.2f}")
+    for c in report["batched_cost_model"]:
+        log(f"  B={c['batch_size']} K={c['draft_tokens']}: verify {c['verify_ratio']}x a plain batched step "
+            f"({c['forward_1_ms']} ms), predicted {c['predicted_speedup']}x, measured {c['measured_decode_speedup']}x,"
+            f" efficiency {c['efficiency']}")

@@ -1,0 +1,202 @@
+"""Batched speculation (`mtp_engine.batched`): every row's tokens equal
+mlx-lm's greedy decoding of its prompt alone (`mlx_lm.load` +
+`generate_step`), for batch sizes 1..16, K = 1..6, prompts of very different
+lengths, budgets per row, rows ending at different steps (EOS, stop strings,
+budgets) and rows joining mid-flight; whatever rows share the batch. A
+divergence passes only on a numerical near-tie (none are expected on MLX's
+CPU backend in float32)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from mtp_engine import MTPEngine
+from mtp_engine.batched import BatchedDecoder
+from mtp_engine.io.tiny import tiny_config
+from mtp_engine.projection import ProjectedDrafts, parse_profile
+from tests.conftest import PROMPTS
+from tests.mtp_engine.test_lossless import CONFIGS, NEAR_TIE
+
+LONG = " ".join(PROMPTS) * 3  # a few hundred tokens
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint_factory, reference_factory, tmp_path_factory):
+    """Engines and references for three tiny configs, and one copy of the
+    first whose EOS is a token its greedy outputs reach, so rows end on EOS."""
+    out = {}
+    for name in ("l4_fai4_kv2_e4k2", "l6_fai3_kv1_e8k1_mtp2", "l5_random_tied_sparse2"):
+        config, kwargs = CONFIGS[name]
+        path = checkpoint_factory(name, config, **kwargs)
+        out[name] = (MTPEngine.load(path), reference_factory(path))
+    engine, reference = out["l4_fai4_kv2_e4k2"]
+    counts: dict[int, int] = {}
+    for prompt in PROMPTS:
+        tokens, _ = reference.greedy(engine.encode(prompt), 8)
+        for t in set(tokens[2:]):  # within every row's budget (8 or more)
+            counts[t] = counts.get(t, 0) + 1
+    eos = max(counts, key=counts.get)  # reached by the most prompts
+    folder = tmp_path_factory.mktemp("eos") / "model"
+    shutil.copytree(engine.checkpoint.path, folder)
+    for name in ("config.json", "generation_config.json"):  # mlx-lm reads both
+        config = json.loads((folder / name).read_text())
+        config["eos_token_id"] = eos
+        (folder / name).write_text(json.dumps(config))
+    out["eos"] = (MTPEngine.load(folder), reference)
+    return out
+
+
+def rows_for(engine, reference, n_tokens: int = 48):
+    """Prompts of very different lengths, budgets per row, two stop strings
+    cut from the reference text, and each row's reference."""
+    prompts = [engine.encode(p) for p in PROMPTS] + [engine.encode(LONG), engine.encode("x")]
+    rows = []
+    for i, ids in enumerate(prompts):
+        budget = 8 + (i * 13) % (n_tokens - 8)
+        ref, gaps = reference.greedy(ids, n_tokens)
+        stop = None
+        if i in (2, 5):
+            text = engine.tokenizer.decode(ref[:budget])
+            stop = text[len(text) // 2 : len(text) // 2 + 2] or None
+        rows.append(dict(ids=ids, max_tokens=budget, stop=stop, ref=ref, gaps=gaps))
+    return rows
+
+
+def check_row(result, row, eos, engine) -> str:
+    """"identical" or "near_tie"; fails on any other divergence."""
+    ours, ref = result.tokens, row["ref"]
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            assert row["gaps"][i] < NEAR_TIE, f"divergence at token {i}: {a} vs {b}, gap {row['gaps'][i]:.3g}"
+            return "near_tie"
+    if result.finish_reason == "length":
+        assert len(ours) == row["max_tokens"]
+    elif row["stop"] and row["stop"] in engine.tokenizer.decode(ours):
+        assert row["stop"] not in engine.tokenizer.decode(ours[:-1])  # it stopped at the first one
+    else:  # EOS: the reference's next token is one
+        assert len(ours) < len(ref) and ref[len(ours)] in eos, (len(ours), result.finish_reason)
+    return "identical"
+
+
+CASES = [
+    # (model, batch size, K, drafter)
+    ("l4_fai4_kv2_e4k2", 1, 1, "mlx"),
+    ("l4_fai4_kv2_e4k2", 3, 2, "cpp"),
+    ("l4_fai4_kv2_e4k2", 16, 6, "mlx"),
+    ("l6_fai3_kv1_e8k1_mtp2", 5, 4, "mlx"),
+    ("l6_fai3_kv1_e8k1_mtp2", 2, 3, "cpp"),
+    ("l5_random_tied_sparse2", 8, 5, "mlx"),
+    ("eos", 6, 3, "mlx"),
+    ("eos", 4, 0, "mlx"),  # plain batched decoding
+]
+
+
+@pytest.mark.parametrize("name,batch,k,drafter", CASES)
+def test_every_row_equals_plain_decoding_of_its_prompt_alone(models, name, batch, k, drafter, capsys):
+    engine, reference = models[name]
+    if drafter == "cpp" and engine.drafters.cpp is None:
+        pytest.skip("needs the C++ drafter")
+    rows = rows_for(engine, reference)
+    decoder = BatchedDecoder(engine, batch, "chain" if k else "baseline", k or 3, drafter)
+    for i, row in enumerate(rows):
+        decoder.add(i, row["ids"], max_tokens=row["max_tokens"], stop=row["stop"])
+    results, max_in_flight = {}, 0
+    while decoder.pending:
+        results.update(decoder.step())
+        max_in_flight = max(max_in_flight, len(decoder.rows))
+    assert max_in_flight == min(batch, len(rows))  # rows joined as others left
+    outcomes = [check_row(results[i], row, engine.eos_token_ids, engine) for i, row in enumerate(rows)]
+    reasons = {r.finish_reason for r in results.values()}
+    with capsys.disabled():
+        print(f"\n[batched {name} B={batch} K={k} {drafter}] identical={outcomes.count('identical')} "
+              f"near_ties={outcomes.count('near_tie')} finish={sorted(reasons)}")
+    assert "length" in reasons and "stop" in reasons
+    if k and CONFIGS.get(name, (None, {}))[1].get("predictability"):
+        assert sum(r.stats.accepted for r in results.values()) > 0  # long accepted prefixes were committed
+    if name == "eos":
+        eos = engine.eos_token_ids
+        assert any(r.finish_reason == "stop" and not rows[i]["stop"] and rows[i]["ref"][len(r.tokens)] in eos
+                   for i, r in results.items())
+
+
+def test_a_row_does_not_depend_on_the_rows_beside_it(models):
+    engine, _ = models["l4_fai4_kv2_e4k2"]
+    prompts = PROMPTS + [LONG]
+    budgets = [40] * len(prompts)
+    first = engine.generate_batch(prompts, batch_size=4, max_tokens=budgets, draft_tokens=3)
+    order = list(reversed(range(len(prompts))))
+    second = engine.generate_batch([prompts[i] for i in order], batch_size=7, max_tokens=budgets, draft_tokens=5)
+    for j, i in enumerate(order):
+        assert second[j].tokens == first[i].tokens
+
+
+def test_generate_batch_yields_rows_as_they_finish_and_returns_them_in_order(models):
+    engine, _ = models["l4_fai4_kv2_e4k2"]
+    prompts = ["def add(a, b):", "x", "class Point:"]
+    budgets = [30, 3, 12]
+    finished = list(engine.generate_batch_iter(prompts, batch_size=3, max_tokens=budgets))
+    assert finished[0][0] == 1 and sorted(i for i, _ in finished) == [0, 1, 2]  # the 3-token row first
+    results = engine.generate_batch(prompts, batch_size=2, max_tokens=budgets)
+    for prompt, budget, result in zip(prompts, budgets, results):
+        assert result.tokens == engine.generate(prompt, max_tokens=budget, mode="baseline").tokens
+    assert all(r.stats.mode == "chain" and r.stats.prefill_s > 0 for r in results)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(batch_size=0), ValueError, "batch_size must be a positive int, got 0"),
+    (dict(mode="tree"), ValueError, "batched decoding runs modes baseline, chain, got 'tree'"),
+    (dict(draft_tokens=17), ValueError, "draft_tokens must be an int in 1..16, got 17"),
+    (dict(max_tokens=[4]), ValueError, "1 max_tokens for 2 prompts"),
+    (dict(max_tokens=0), ValueError, "max_tokens must be a positive int, got 0"),
+    (dict(drafter="cuda"), ValueError, "drafter must be 'auto', 'mlx' or 'cpp'"),
+])
+def test_bad_parameters_are_named_before_anything_decodes(models, kwargs, error, match):
+    engine, _ = models["l4_fai4_kv2_e4k2"]
+    with pytest.raises(error, match=match):
+        engine.generate_batch(["def f():", "x"], **kwargs)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.generate_batch(["def f():", ""])
+
+
+def test_projected_drafts_keep_the_output_and_follow_the_profile(models):
+    """Drafts of a random-weight model replaced at a profile: the output
+    still equals plain decoding, and acceptance follows the profile."""
+    engine, reference = models["l5_random_tied_sparse2"]
+    profile = parse_profile("0.9,0.8,0.6")
+    prompts = [engine.encode(p) for p in PROMPTS]
+    refs = [reference.greedy(ids, 40)[0] for ids in prompts]
+    vocab = engine.model.args.vocab_size
+    decoder = BatchedDecoder(engine, 6, "chain", 3)
+    for i, (ids, ref) in enumerate(zip(prompts, refs)):
+        decoder.add(i, ids, max_tokens=40, projection=ProjectedDrafts(profile, ref, vocab, seed=i))
+    results = {}
+    while decoder.pending:
+        results.update(decoder.step())
+    for i, ref in enumerate(refs):
+        assert results[i].tokens == ref[: len(results[i].tokens)]
+    steps = sum(r.stats.steps for r in results.values())
+    histogram = [sum(r.stats.histogram[n] for r in results.values()) for n in range(4)]
+    # P(accepted >= n) = 0.9, 0.8, 0.6 (steps near a budget's end draft less).
+    assert 0.85 < sum(histogram[1:]) / steps < 0.95 and 0.5 < histogram[3] / steps < 0.7
+    single = engine.generate(prompts[0], max_tokens=40, mode="chain", draft_tokens=3,
+                             projection=ProjectedDrafts(profile, refs[0], vocab, seed=0))
+    assert single.tokens == refs[0][: len(single.tokens)] and single.stats.acceptance_length > 2
+    with pytest.raises(ValueError, match="non-increasing"):
+        parse_profile("0.5,0.9")
+
+
+def test_plain_batched_decoding_is_batch_mode(models):
+    engine, _ = models["l4_fai4_kv2_e4k2"]
+    results = engine.generate_batch(PROMPTS[:5], batch_size=3, max_tokens=16, mode="baseline")
+    for prompt, result in zip(PROMPTS[:5], results):
+        assert result.tokens == engine.generate(prompt, max_tokens=16, mode="baseline").tokens
+        # One forward per token after the prefill's (EOS, left out of the tokens, took one too).
+        assert result.stats.steps == len(result.tokens) - (result.finish_reason == "length")
+        assert result.stats.histogram == []
+
+
+def test_tiny_config_is_covered():
+    assert tiny_config()["num_hidden_layers"] == 4  # the cases above name the configs of test_lossless
