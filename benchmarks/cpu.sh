@@ -5,14 +5,25 @@
 #
 #   bash benchmarks/cpu.sh bench      # shipped model, every mode side by side -> results/cpu-bench.json
 #   bash benchmarks/cpu.sh lossless   # every mode vs mlx-lm greedy, both BLASes -> results/cpu-lossless*.json
+#   bash benchmarks/cpu.sh dataset    # over a dataset: plain, single chain, mlx-lm and our batching, batched
+#                                     # chains; all prompts, then the loop-free ones -> results/cpu-dataset*.json
+#   bash benchmarks/cpu.sh sampling   # plain sampling vs both samplers, T=0.7 and 1.0 -> results/cpu-sampling.json
 set -euo pipefail
 py=${PY:-.venv/bin/python}
 results=benchmarks/results
-case "${1:?bench or lossless}" in
+case "${1:?bench, lossless, dataset or sampling}" in
   bench)
     $py -m mtp_engine.bench --json "$results/cpu-bench.json" ;;
   lossless)
     $py -m mtp_engine.lossless --limit 12 --max-tokens 64 --json "$results/cpu-lossless.json"
     MTP_CPU_BLAS=0 $py -m mtp_engine.lossless --limit 12 --max-tokens 64 --json "$results/cpu-lossless-bundled-blas.json" ;;
+  dataset)
+    $py -m mtp_engine.bench --suite dataset --limit 48 --max-tokens 128 --batch-sizes 8 16 32 --draft-tokens 1 2 3 \
+      --single-k 4 --json "$results/cpu-dataset.json"
+    $py -m mtp_engine.bench --suite dataset --limit 48 --max-tokens 128 --batch-sizes 16 32 --draft-tokens 2 3 \
+      --single-k 4 --no-mlx-lm-batch --loop-free --json "$results/cpu-dataset-loop-free.json" ;;
+  sampling)
+    $py -m mtp_engine.bench --suite sampling --limit 12 --max-tokens 96 --rounds 1 --temperatures 0.7 1.0 \
+      --sampling-k 2 3 4 --json "$results/cpu-sampling.json" ;;
   *) echo "unknown suite $1" >&2; exit 2 ;;
 esac

@@ -5,29 +5,43 @@
 # its result file into $OUT (default benchmarks/results); copy them into
 # benchmarks/results/ to make them current.
 #
-#   bash benchmarks/h200.sh tests      # the GPU-only tests (kernels, drafts, lossless on CUDA)
-#   bash benchmarks/h200.sh shipped    # shipped model, bf16, every chain depth and batch mode -> h200-shipped.json
+#   bash benchmarks/h200.sh tests      # the GPU-only tests, and batched / sampled exactness on CUDA
+#   bash benchmarks/h200.sh shipped    # shipped model, bf16, every chain depth one prompt at a time -> h200-shipped.json
+#   bash benchmarks/h200.sh dataset    # shipped model over a dataset: plain, single chain, mlx-lm and our batching,
+#                                      # batched chains B=8..32 K=1..4, all prompts then loop-free -> h200-dataset*.json
+#   bash benchmarks/h200.sh sampling   # shipped model, plain sampling vs both samplers, T=0.7 and 1.0 -> h200-sampling.json
 #   bash benchmarks/h200.sh lossless   # shipped model, bf16, every mode vs mlx-lm greedy -> h200-lossless.json
-#   bash benchmarks/h200.sh 80b        # Qwen3-Next-80B-A3B shapes, random 4-bit weights, 1K and 8K -> h200-80b.json
+#   bash benchmarks/h200.sh 80b        # Qwen3-Next-80B-A3B shapes, random 4-bit weights, 1K context, drafts projected
+#                                      # at profile 0.93,0.82,0.64 -> h200-80b.json
 set -u
 out=${OUT:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH=/root/site:$PWD
 bench="python3 -u -m mtp_engine.bench"
-case "${1:?tests, shipped, lossless or 80b}" in
+case "${1:?tests, shipped, dataset, sampling, lossless or 80b}" in
   tests)
     timeout "${LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
-      tests/mtp_engine/model/test_rowwise.py 2>&1 | tail -15 ;;
+      tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/test_batched.py tests/mtp_engine/test_sampling.py \
+      2>&1 | tail -15 ;;
   shipped)
     timeout "${LIMIT:-300}" $bench --limit 8 --max-tokens 64 --rounds 3 \
-      --modes baseline mlx_lm chain-k4 chain-k6 chain-k8 chain-k15 --batch-sizes 16 32 --batch-limit 32 \
+      --modes baseline mlx_lm chain-k2 chain-k3 chain-k4 chain-k6 chain-k8 --batch-sizes \
       --json "$out/h200-shipped.json" 2>&1 | grep -v "^round" ;;
+  dataset)
+    timeout "${LIMIT:-300}" $bench --suite dataset --limit 32 --max-tokens 128 --batch-sizes 8 16 32 \
+      --draft-tokens 1 2 3 4 --single-k 4 --json "$out/h200-dataset.json" 2>&1 | grep -v "^round"
+    timeout "${LIMIT:-420}" $bench --suite dataset --limit 48 --max-tokens 128 --batch-sizes 16 32 \
+      --draft-tokens 2 3 --single-k 4 --no-mlx-lm-batch --loop-free --json "$out/h200-dataset-loop-free.json" \
+      2>&1 | grep -v "^round" ;;
+  sampling)
+    timeout "${LIMIT:-300}" $bench --suite sampling --limit 4 --max-tokens 64 --rounds 1 --temperatures 0.7 1.0 \
+      --sampling-k 2 3 --json "$out/h200-sampling.json" 2>&1 | grep -v "^round" ;;
   lossless)
     timeout "${LIMIT:-200}" python3 -u -m mtp_engine.lossless --limit 8 --max-tokens 64 \
       --json "$out/h200-lossless.json" 2>&1 | tail -20 ;;
   80b)
-    timeout "${LIMIT:-500}" $bench --synthetic 80b --limit 1 --max-tokens 48 --rounds 2 \
-      --modes baseline chain-k2 chain-k3 --contexts 1024 8192 --batch-sizes \
-      --json "$out/h200-80b.json" 2>&1 | grep -v "^round" ;;
+    timeout "${LIMIT:-540}" $bench --synthetic 80b --suite dataset --acceptance-profile 0.93,0.82,0.64 \
+      --limit 8 --max-tokens 32 --contexts 1024 --batch-sizes 8 16 --draft-tokens 2 3 --single-k 3 \
+      --no-mlx-lm-batch --json "$out/h200-80b.json" 2>&1 | grep -v "^round" ;;
   *) echo "unknown suite $1" >&2; exit 2 ;;
 esac

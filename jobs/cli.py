@@ -1,4 +1,4 @@
-"""Command line: ``python -m jobs generate|status ...``.
+"""Command line: ``python -m jobs generate|status|repair|merge|export ...``.
 
 The CLI only parses: it builds a `JobConfig` (flags over a YAML/JSON config
 file over defaults) and calls the runner.
@@ -14,12 +14,14 @@ from jobs.config import JOB_MODES, ConfigError, JobConfig, read_config_file
 from jobs.distributed import run_distributed_or_local
 from jobs.lock import FolderInUse
 from jobs.merge import merge_outputs
+from jobs.openai_batch import export_folder
 from jobs.output import OutputError
 from jobs.readers import DatasetError
 from jobs.repair import repair_folder
 from jobs.runner import resume_hint
 from jobs.status import print_status
 from mtp_engine import CheckpointError
+from mtp_engine.sampling import SAMPLERS
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 
@@ -62,6 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--id-field", help="field holding the row id; rows without it use their row number (default: id)")
     g.add_argument("--system-prompt", help="system message prepended to chat rows that have none")
     g.add_argument("--limit", type=int, help="only the first N rows of the dataset")
+    g.add_argument("--temperature", type=float, help="sampling temperature; 0 decodes greedily (default: 0). "
+                   "Rows may set temperature, top_p, top_k, min_p, seed and n themselves")
+    g.add_argument("--top-p", type=float, help="nucleus filter in (0, 1] (default: 1, off)")
+    g.add_argument("--top-k", type=int, help="keep the k likeliest tokens; 0 is off (default: 0)")
+    g.add_argument("--min-p", type=float, help="drop tokens under min_p x the likeliest's probability (default: 0)")
+    g.add_argument("--seed", type=int, help="job seed; each completion's seed derives from it, the row id and "
+                   "the sample index (default: 0)")
+    g.add_argument("--n", type=int, help="completions per prompt, one output row each (default: 1)")
+    g.add_argument("--sampler", choices=SAMPLERS, help="exact: every mode, batch size and rank writes the same "
+                   "tokens for a seed; rejection: speculative sampling, lossless in distribution (default: exact)")
     g.add_argument("--fast-path", dest="fast_paths", action="append", metavar="NAME=VALUE",
                    help="set one engine fast path (repeatable), e.g. cpp_drafter=off, few_rows=16, "
                    "compile_layers=auto; names in docs/BACKENDS.md. They change speed, never output")
@@ -92,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("inputs", nargs="+", help="output folders to merge")
     m.add_argument("--output", required=True, help="folder for the merged result (new or empty)")
+
+    e = sub.add_parser("export", help="write a job's completions in another format",
+                       description="Write a job folder's committed completions as an OpenAI batch output file "
+                       "(one line per prompt whose completions are all committed).")
+    e.add_argument("output_dir", metavar="DIR", help="output folder of a job")
+    e.add_argument("--format", default="openai-batch", choices=["openai-batch"], help="file format")
+    e.add_argument("--output", required=True, help="file to write (.jsonl)")
     return parser
 
 
@@ -111,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         return repair_folder(Path(args.output))
     if args.command == "merge":
         return merge_outputs([Path(p) for p in args.inputs], Path(args.output))
+    if args.command == "export":
+        return export_folder(Path(args.output_dir), Path(args.output), args.format)
     return EXIT_USAGE
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from mtp_engine.modes import MODES
 from mtp_engine.options import EngineOptions
+from mtp_engine.sampling import SamplingParams
 from schemas.arrow import SCHEMA_VERSION
 
 JOB_MODES = MODES + ("batch", "auto")
@@ -17,15 +18,24 @@ BATCHED_MODES = ("chain", "baseline", "batch")
 """Modes that decode several rows at once (`mtp_engine.batched`); "batch"
 is "baseline" under its older name, kept so older folders resume."""
 
-AUTO = {"cpu": ("chain", 3, 8), "gpu": ("chain", 3, 32)}
+AUTO = {"cpu": ("chain", 2, 32), "gpu": ("chain", 3, 16)}
 """What "auto" (the default mode) becomes on each MLX backend: (mode, K,
-batch size), the fastest over a dataset in the benchmark
-(docs/BENCHMARKS.md)."""
+batch size), from the dataset suite of the benchmark (docs/BENCHMARKS.md).
+CPU: batched chain K=2 at B=32 and plain batching at B=32 are level on the
+shipped model (589 and 598 tok/s, within this machine's noise). GPU:
+projected at profile 0.93,0.82,0.64 on the 80B-A3B shapes, batched chain
+K=3 at B=16 decodes 1.73x plain batching; on the launch-bound shipped model
+plain batching at B=32 is 7% faster (`--mode baseline --batch-size 32`)."""
 AUTO_MODE = {backend: mode for backend, (mode, _, _) in AUTO.items()}
 
 SPEED_ONLY = ("mode", "draft_tokens", "paths", "tau", "batch_size")
 """Decoding settings that change speed, never the tokens (every mode is
-lossless), so a folder resumes under other values of them."""
+lossless, and the exact sampler's tokens depend on the seed only), so a
+folder resumes under other values of them. Under the rejection sampler the
+mode and K decide the tokens too (`output_parts`)."""
+
+MAX_N = 256
+"""Most completions per prompt."""
 
 
 class ConfigError(ValueError):
@@ -60,6 +70,16 @@ class JobConfig:
         allow_dataset_change: Resume a folder written from another dataset
             (its rows are kept; the new dataset's rows are added).
         limit: Process only the first ``limit`` rows of the dataset.
+        temperature, top_p, top_k, min_p: Sampling (rows may override);
+            temperature 0 decodes greedily (`mtp_engine.sampling`).
+        seed: The job's seed; completion ``j`` of row ``id`` samples with a
+            seed derived from it (or from the row's own ``seed``), the id
+            and ``j`` (`jobs.prompts.completion_seed`).
+        n: Completions per prompt (rows may override); each is an output
+            row with its ``sample`` index.
+        sampler: "exact" (the tokens depend on the seed only: every mode,
+            batch size and rank writes the same rows) or "rejection"
+            (speculative sampling: lossless in distribution; chain mode).
         fast_paths: Engine fast-path switches, ``(name, value)`` pairs of
             `EngineOptions` fields over its environment defaults (speed
             only: not part of the job's fingerprint).
@@ -84,6 +104,13 @@ class JobConfig:
     overwrite: bool = False
     allow_dataset_change: bool = False
     limit: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    n: int = 1
+    sampler: str = "exact"
     fast_paths: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self):
@@ -116,6 +143,22 @@ class JobConfig:
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ConfigError(f"system_prompt must be a string, got {self.system_prompt!r}")
         object.__setattr__(self, "fast_paths", _fast_path_pairs(self.fast_paths))
+        try:
+            self.sampling()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        _positive_int("n", self.n, MAX_N)
+        if self.n > 1 and self.temperature == 0:
+            raise ConfigError(f"n = {self.n} with temperature 0 would write {self.n} copies of one greedy "
+                              "completion; set --temperature above 0 (or n = 1)")
+        if self.sampler == "rejection" and self.mode not in ("chain", "baseline", "batch", "auto"):
+            raise ConfigError(f"sampler 'rejection' drafts chains; mode {self.mode!r} needs sampler 'exact' "
+                              "(or mode chain)")
+
+    def sampling(self) -> SamplingParams:
+        """The job's sampling settings (each completion's seed is derived
+        from ``seed``)."""
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p, self.seed, self.sampler)
 
     def engine_options(self) -> EngineOptions:
         """The engine's fast-path switches: environment defaults, then ours."""
@@ -161,10 +204,14 @@ class JobConfig:
         """Whether rows decode several at once (`mtp_engine.batched`)."""
         return self.mode == "batch" or (self.mode in BATCHED_MODES and (self.batch_size or 1) > 1)
 
-    def decoding(self) -> dict:
+    def decoding(self, schema_version: int = SCHEMA_VERSION) -> dict:
         """The decoding settings (fingerprinted; `SPEED_ONLY` ones are not
-        compared on resume)."""
+        compared on resume). Folders of output schema 1 (greedy, one
+        completion per prompt) had no sampling settings."""
         d = {"mode": self.mode, "max_tokens": self.max_tokens, "stop": list(self.stop)}
+        if schema_version >= 2:
+            d["sampling"] = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                             "min_p": self.min_p, "seed": self.seed, "n": self.n, "sampler": self.sampler}
         if self.mode == "batch":
             d["batch_size"] = self.batch_size
         elif self.mode != "baseline":
@@ -261,13 +308,14 @@ def model_identity(model_dir: str | Path) -> dict:
     return {"name": folder.name, "revision": revision, "sha256": h.hexdigest()[:16]}
 
 
-def fingerprint_parts(config: JobConfig, model_id: dict, chat_template: str | None) -> dict:
+def fingerprint_parts(config: JobConfig, model_id: dict, chat_template: str | None,
+                      schema_version: int = SCHEMA_VERSION) -> dict:
     template_sha = hashlib.sha256((chat_template or "").encode()).hexdigest()[:16]
     return {
         "model": model_id["sha256"],
         "rendering": {**config.rendering(), "chat_template_sha256": template_sha},
-        "decoding": config.decoding(),
-        "schema_version": SCHEMA_VERSION,
+        "decoding": config.decoding(schema_version),
+        "schema_version": schema_version,
     }
 
 
@@ -277,8 +325,11 @@ def fingerprint(parts: dict) -> str:
 
 def output_parts(parts: dict) -> dict:
     """Fingerprint parts without the `SPEED_ONLY` settings: what decides the
-    tokens. Two jobs whose output parts agree write the same rows."""
-    decoding = {k: v for k, v in parts.get("decoding", {}).items() if k not in SPEED_ONLY}
+    tokens. Two jobs whose output parts agree write the same rows (the
+    rejection sampler's tokens depend on the mode and K as well)."""
+    decoding = parts.get("decoding", {})
+    keep = ("mode", "draft_tokens") if decoding.get("sampling", {}).get("sampler") == "rejection" else ()
+    decoding = {k: v for k, v in decoding.items() if k not in SPEED_ONLY or k in keep}
     return {**parts, "decoding": decoding}
 
 

@@ -40,6 +40,9 @@ class LedgerEntry:
         bytes: The shard file's size.
         crc32: zlib's CRC-32 of the shard file.
         fingerprint: The job's fingerprint when it was committed.
+        samples: Each row's sample index (parallel to ``ids``), or None
+            when every row is sample 0 (older ledgers, one completion per
+            prompt). A completion's key is ``(id, sample)``.
     """
 
     shard: str
@@ -56,15 +59,22 @@ class LedgerEntry:
     bytes: int | None = None
     crc32: int | None = None
     fingerprint: str | None = None
+    samples: list[int] | None = None
+
+    def keys(self) -> list[tuple[str, int]]:
+        """The ``(id, sample)`` key of each row, in order."""
+        return list(zip(self.ids, self.samples or [0] * len(self.ids)))
 
     @classmethod
     def from_rows(cls, shard: str, writer: str, rows: list[dict], wall_s: float, **file) -> "LedgerEntry":
         ok = [r for r in rows if r["finish_reason"] != "error"]
         acc = [r["acceptance"] for r in ok if r["acceptance"] and r["acceptance"].get("steps") is not None]
+        samples = [r.get("sample") or 0 for r in rows]
         return cls(
             shard=shard,
             writer=writer,
             ids=[r["id"] for r in rows],
+            samples=samples if any(samples) else None,
             rows=len(rows),
             errors=len(rows) - len(ok),
             completion_tokens=sum(r["completion_tokens"] for r in ok),
@@ -95,6 +105,8 @@ class LedgerEntry:
             raise ValueError(str(e)) from None
         if not isinstance(entry.shard, str) or not isinstance(entry.ids, list) or entry.rows != len(entry.ids):
             raise ValueError("its shard, ids or row count are malformed")
+        if entry.samples is not None and (not isinstance(entry.samples, list) or len(entry.samples) != entry.rows):
+            raise ValueError("its samples do not match its ids")
         return entry
 
     def line(self) -> bytes:

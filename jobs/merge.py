@@ -78,15 +78,17 @@ def merge(inputs: list[Path], output: Path, log=print) -> int:
             raise MergeError(
                 f"{folder} was made by a different job configuration than {inputs[0]}:\n  " + "\n  ".join(changes)
             )
-    owner: dict[str, Path] = {}
+    owner: dict[tuple[str, int], Path] = {}
     entries_by_input = []
     for folder in inputs:
         entries = _checked_entries(folder)
         for e in entries:
-            for rid in e.ids:
-                if rid in owner:
-                    raise MergeError(f"id {rid!r} is in both {owner[rid]} and {folder}; refusing to merge overlapping ids")
-                owner[rid] = folder
+            for key in e.keys():
+                if key in owner:
+                    rid, sample = key
+                    what = f"id {rid!r}" + (f" (sample {sample})" if sample else "")
+                    raise MergeError(f"{what} is in both {owner[key]} and {folder}; refusing to merge overlapping ids")
+                owner[key] = folder
         entries_by_input.append(entries)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise MergeError(f"output {output} exists and is not an empty folder")
@@ -114,7 +116,7 @@ def merge(inputs: list[Path], output: Path, log=print) -> int:
         # Views and a full check of the copies, still in the staging folder.
         out = OutputFolder(staging, writer_name(0), log=log)
         out.open(manifest, overwrite=False)
-        rows = len(out.done_ids)
+        rows = len(out.done)
         out.close()
         if output.exists():
             output.rmdir()

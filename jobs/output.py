@@ -46,7 +46,13 @@ from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponen
 from jobs.config import describe_changes, output_parts
 from jobs.ledger import Ledger, LedgerEntry, LedgerState, Totals, fsync_dir
 from jobs.lock import FolderLock
-from schemas.arrow import COMPLETION_SCHEMA, dataset_features_dict, rows_to_batch
+from schemas.arrow import (
+    COMPLETION_SCHEMA,
+    SCHEMA_VERSIONS,
+    completion_schema,
+    dataset_features_dict,
+    rows_to_batch,
+)
 
 MANIFEST = "manifest.json"
 EMPTY_SHARD = "data-empty.arrow"
@@ -122,13 +128,23 @@ def corrupt_ledger_message(ledger: Ledger, state: LedgerState) -> str:
             f"rebuild it from the shards with `python -m jobs repair {ledger.path.parent}`")
 
 
-def serialize_shard(rows: list[dict]) -> bytes:
+def serialize_shard(rows: list[dict], schema: pa.Schema = COMPLETION_SCHEMA) -> bytes:
     """Rows as one Arrow IPC stream (always one batch, even empty: datasets
     cannot cast a chunkless table)."""
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, COMPLETION_SCHEMA) as writer:
-        writer.write_batch(rows_to_batch(rows))
+    with pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_batch(rows_to_batch(rows, schema))
     return sink.getvalue().to_pybytes()
+
+
+def folder_schema_version(folder: Path) -> int | None:
+    """The output schema version of the results in a folder (its
+    manifest's), or None for a new folder or an unreadable manifest."""
+    try:
+        version = orjson.loads((folder / MANIFEST).read_bytes()).get("schema_version")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return version if version in SCHEMA_VERSIONS else None
 
 
 @_retry_io
@@ -217,10 +233,11 @@ class OutputFolder:
     path: Path
     writer: str = "r000"
     log: object = print
-    done_ids: set[str] = field(default_factory=set)
+    done: set[tuple[str, int]] = field(default_factory=set)
     totals: Totals = field(default_factory=Totals)
     _seq: int = 0
     _manifest: dict = field(default_factory=dict)
+    _schema: pa.Schema = COMPLETION_SCHEMA
     _lock: FolderLock | None = None
 
     @property
@@ -252,6 +269,7 @@ class OutputFolder:
         try:
             old = self._existing_manifest(manifest, overwrite)
             self._manifest = {**manifest, "created_at": old.get("created_at", time.time())}
+            self._schema = completion_schema(self._manifest.get("schema_version", 1))
             self._check_dataset(old, manifest, allow_dataset_change)
             write_atomic(self.path / MANIFEST, orjson.dumps(self._manifest, option=orjson.OPT_INDENT_2))
             self._repair_ledgers()
@@ -270,6 +288,7 @@ class OutputFolder:
         self._manifest = orjson.loads((self.path / MANIFEST).read_bytes())
         if self._manifest.get("fingerprint") != manifest["fingerprint"]:
             raise FingerprintMismatch(f"{self.path} was opened by rank 0 for another job configuration")
+        self._schema = completion_schema(self._manifest.get("schema_version", 1))
         self._start()
 
     def close(self) -> None:
@@ -379,8 +398,8 @@ class OutputFolder:
             keep, changed = [], False
             for e in entries:
                 problem = check_shard(self.path, e, checksum)
-                if problem is None and seen & set(e.ids):
-                    problem = "it repeats ids of an earlier shard"
+                if problem is None and seen & set(e.keys()):
+                    problem = "it repeats rows (id and sample) of an earlier shard"
                 if problem is not None:
                     self._quarantine(e, problem)
                     changed = True
@@ -388,7 +407,7 @@ class OutputFolder:
                 if e.crc32 is None:  # an older ledger: record what was verified
                     e.bytes, e.crc32 = file_digest(self.path / e.shard)
                     changed = True
-                seen.update(e.ids)
+                seen.update(e.keys())
                 keep.append(e)
             if changed:
                 ledger.rewrite(keep)
@@ -409,7 +428,8 @@ class OutputFolder:
         own = [e for e in self.ledger.read().entries]
         self._seq = 1 + max((int(SHARD_PATTERN.match(e.shard)["seq"]) for e in own), default=-1)
         if not (self.path / EMPTY_SHARD).exists():
-            publish_shard(write_tmp_shard(self.path / EMPTY_SHARD, serialize_shard([])), self.path / EMPTY_SHARD)
+            publish_shard(write_tmp_shard(self.path / EMPTY_SHARD, serialize_shard([], self._schema)),
+                          self.path / EMPTY_SHARD)
         self.refresh_views()
 
     # -- committing --------------------------------------------------------
@@ -417,7 +437,7 @@ class OutputFolder:
     def commit(self, rows: list[dict], wall_s: float) -> str:
         """Durably add rows as one shard; returns its name."""
         name = shard_name(self.writer, self._seq)
-        data = serialize_shard(rows)
+        data = serialize_shard(rows, self._schema)
         publish_shard(write_tmp_shard(self.path / name, data), self.path / name)
         entry = LedgerEntry.from_rows(name, self.writer, rows, wall_s, bytes=len(data),
                                       crc32=zlib.crc32(data), fingerprint=self._manifest.get("fingerprint"))
@@ -444,7 +464,7 @@ class OutputFolder:
 
     def _write_views(self) -> None:
         entries = read_all_ledgers(self.path)
-        self.done_ids = {rid for e in entries for rid in e.ids}
+        self.done = {key for e in entries for key in e.keys()}
         shards = [EMPTY_SHARD] + sorted(e.shard for e in entries)
         state = {
             "_data_files": [{"filename": s} for s in shards],
@@ -458,7 +478,7 @@ class OutputFolder:
         info = {
             "citation": "",
             "description": "Completions written by mtp-batch (python -m jobs generate).",
-            "features": dataset_features_dict(),
+            "features": dataset_features_dict(self._schema),
             "homepage": "",
             "license": "",
         }

@@ -2,17 +2,38 @@
 
 A row gives either a ``prompt`` string (used as is) or chat ``messages``
 (rendered with the tokenizer's chat template, ``add_generation_prompt=True``).
-Optional per-row fields ``max_tokens`` and ``stop`` override the job's.
-Every problem becomes one error row with a kind and a message; nothing here
+Optional per-row fields override the job's: ``max_tokens``, ``stop``,
+``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed`` and ``n``. A line
+of an OpenAI batch file is read as such a row (`jobs.openai_batch`). Every
+problem becomes one error row with a kind and a message; nothing here
 raises for bad input.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, replace
 
-from jobs.config import JobConfig
+from jobs import openai_batch
+from jobs.config import MAX_N, JobConfig
 from jobs.readers import SourceRow
+from mtp_engine.sampling import SamplingParams
+
+SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "min_p", "seed")
+
+
+def raw_id(data: dict | None, id_field: str):
+    """The id a row gives itself (an OpenAI batch line: its custom_id)."""
+    data = data or {}
+    return data.get("custom_id") if openai_batch.is_request(data) else data.get(id_field)
+
+
+def completion_seed(seed: int, row_id: str, sample: int) -> int:
+    """The seed of completion ``sample`` of row ``row_id``: a hash of the
+    job's (or the row's) seed, the id and the sample index, so reruns,
+    resumes and any number of ranks sample the same tokens."""
+    digest = hashlib.sha256(f"{seed}\0{row_id}\0{sample}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 @dataclass(frozen=True)
@@ -26,6 +47,15 @@ class Request:
     prompt_ids: list[int]
     max_tokens: int
     stop: tuple[str, ...]
+    sampling: SamplingParams = SamplingParams()
+    n: int = 1
+    chat: bool = False
+
+    def sample_params(self, sample: int) -> SamplingParams:
+        """Sampling of completion ``sample`` (its own derived seed)."""
+        if self.sampling.greedy:
+            return self.sampling
+        return replace(self.sampling, seed=completion_seed(self.sampling.seed, self.id, sample))
 
 
 @dataclass(frozen=True)
@@ -38,6 +68,7 @@ class RowError:
     kind: str
     message: str
     prompt: str | None = None
+    chat: bool | None = None
 
 
 class Preparer:
@@ -49,23 +80,29 @@ class Preparer:
         context_length: The model's context, in tokens.
         reserved_ids: Every id the dataset gives itself; an id made for a
             duplicate never takes one of them.
+        sampling_allowed: False for folders of output schema 1 (no sample
+            or seed columns): rows that sample become error rows.
+        log: Where notes go (OpenAI batch fields not honoured, once each).
     """
 
-    def __init__(self, config: JobConfig, tokenizer, context_length: int, reserved_ids: set[str] = frozenset()):
+    def __init__(self, config: JobConfig, tokenizer, context_length: int, reserved_ids: set[str] = frozenset(),
+                 sampling_allowed: bool = True, log=None):
         self.config = config
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.reserved = set(reserved_ids)
         self.seen: set[str] = set()
+        self.sampling_allowed = sampling_allowed
+        self.unknown = openai_batch.UnknownFields(log)
 
     def row_id(self, row: SourceRow) -> tuple[str, str | None]:
         """The row's id and, if it is unusable, why."""
-        data = row.data or {}
-        raw = data.get(self.config.id_field)
+        raw = raw_id(row.data, self.config.id_field)
+        field = "custom_id" if openai_batch.is_request(row.data) else self.config.id_field
         if raw is None:
             return str(row.index), None
         if isinstance(raw, bool) or not isinstance(raw, (str, int)):
-            return str(row.index), f"id field {self.config.id_field!r} holds a {type(raw).__name__}"
+            return str(row.index), f"id field {field!r} holds a {type(raw).__name__}"
         return str(raw), None
 
     def claim_id(self, row: SourceRow) -> tuple[str, RowError | None]:
@@ -92,7 +129,14 @@ class Preparer:
             return self._error(row, rid, kind, message)
         data = row.data
         cfg = self.config
+        if openai_batch.is_request(data):
+            try:
+                data, unknown = openai_batch.request_row(data, cfg.id_field, cfg.prompt_field, cfg.messages_field)
+            except ValueError as e:
+                return self._error(row, rid, "invalid_request", str(e))
+            self.unknown.report(unknown)
         messages = data.get(cfg.messages_field)
+        chat = messages is not None
         if messages is not None:
             prompt = self._render_messages(messages)
             if isinstance(prompt, tuple):
@@ -116,25 +160,51 @@ class Preparer:
         if max_tokens is None:
             max_tokens = cfg.max_tokens
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            return self._error(row, rid, "invalid_field", f"max_tokens must be a positive integer, got {max_tokens!r}", prompt)
+            return self._error(row, rid, "invalid_field", f"max_tokens must be a positive integer, got {max_tokens!r}",
+                               prompt, chat)
         stop = data.get("stop", None)
         if stop is None:
             stop = cfg.stop
         elif isinstance(stop, str):
             stop = (stop,)
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            return self._error(row, rid, "invalid_field", f"stop must be a string or a list of non-empty strings, got {stop!r}", prompt)
+            return self._error(row, rid, "invalid_field", f"stop must be a string or a list of non-empty strings, got {stop!r}",
+                               prompt, chat)
+
+        sampling, n = self._sampling(data)
+        if isinstance(sampling, str):
+            return self._error(row, rid, "invalid_field", sampling, prompt, chat)
 
         ids = list(self.tokenizer.encode(prompt))
         if not ids:
-            return self._error(row, rid, "empty_prompt", "prompt encodes to no tokens", prompt)
+            return self._error(row, rid, "empty_prompt", "prompt encodes to no tokens", prompt, chat)
         if len(ids) >= self.context_length:
             return self._error(
                 row, rid, "prompt_too_long",
                 f"prompt has {len(ids)} tokens; the model's context is {self.context_length}",
                 prompt,
             )
-        return Request(rid, row.index, row.line, prompt, ids, max_tokens, tuple(stop))
+        return Request(rid, row.index, row.line, prompt, ids, max_tokens, tuple(stop), sampling, n, chat)
+
+    def _sampling(self, data: dict) -> tuple[SamplingParams | str, int]:
+        """The row's sampling and n (the job's, with the row's overrides),
+        or why they are invalid."""
+        job = self.config.sampling()
+        values = {name: data[name] for name in SAMPLING_OVERRIDES if data.get(name) is not None}
+        try:
+            sampling = replace(job, **values)
+        except ValueError as e:
+            return str(e), 0
+        n = data.get("n")
+        n = self.config.n if n is None else n
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+            return f"n must be an integer in 1..{MAX_N}, got {n!r}", 0
+        if n > 1 and sampling.greedy:
+            return f"n = {n} with temperature 0 would repeat one greedy completion; set a temperature above 0", 0
+        if not self.sampling_allowed and (n > 1 or not sampling.greedy):
+            return ("this output folder was written by an older release (output schema 1: no sample or seed "
+                    "columns), which cannot hold sampled rows; write sampling jobs to a new --output"), 0
+        return sampling, n
 
     def _render_messages(self, messages) -> str | tuple[str, str]:
         if not isinstance(messages, list) or not messages:
@@ -152,7 +222,8 @@ class Preparer:
             return "template_error", f"chat template failed: {e}"
 
     @staticmethod
-    def _error(row: SourceRow, rid: str, kind: str, message: str, prompt: str | None = None) -> RowError:
+    def _error(row: SourceRow, rid: str, kind: str, message: str, prompt: str | None = None,
+               chat: bool | None = None) -> RowError:
         if row.line is not None and row.data is None and "line" not in message:
             message = f"line {row.line}: {message}"
-        return RowError(rid, row.index, row.line, kind, message, prompt)
+        return RowError(rid, row.index, row.line, kind, message, prompt, chat)

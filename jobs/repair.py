@@ -39,7 +39,7 @@ def repair(folder: Path, log=print) -> tuple[int, int, int]:
             fingerprint = None
         shards = sorted(p for p in folder.glob("data-r*.arrow") if SHARD_PATTERN.match(p.name))
         by_writer: dict[str, list[LedgerEntry]] = {}
-        seen: set[str] = set()
+        seen: set[tuple[str, int]] = set()
         kept = rows = quarantined = 0
         for path in shards:
             writer = SHARD_PATTERN.match(path.name)["writer"]
@@ -48,8 +48,9 @@ def repair(folder: Path, log=print) -> tuple[int, int, int]:
                 table = pa.ipc.open_stream(pa.BufferReader(data)).read_all()
                 records = table.to_pylist()
                 ids = [r["id"] for r in records]
-                if seen & set(ids):
-                    raise ValueError("it repeats ids of an earlier shard")
+                keys = {(r["id"], r.get("sample") or 0) for r in records}
+                if seen & keys:
+                    raise ValueError("it repeats rows (id and sample) of an earlier shard")
             except (pa.ArrowInvalid, OSError, KeyError, ValueError) as e:
                 target = folder / QUARANTINE / f"{path.name}.{int(time.time())}"
                 target.parent.mkdir(exist_ok=True)
@@ -61,7 +62,7 @@ def repair(folder: Path, log=print) -> tuple[int, int, int]:
                                           crc32=zlib.crc32(data), fingerprint=fingerprint)
             entry.committed_at = path.stat().st_mtime
             by_writer.setdefault(writer, []).append(entry)
-            seen.update(ids)
+            seen.update(keys)
             kept += 1
             rows += len(ids)
         for p in folder.glob("ledger-*.jsonl"):

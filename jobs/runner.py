@@ -2,9 +2,11 @@
 
 The runner knows nothing about caches or drafts: it drives the engine's
 batched decoder (modes chain and baseline with a batch size over 1: rows
-join as others finish) or asks for one completion at a time (the other
-modes). A row is committed only inside a shard; rows in flight when
-the process dies are redone on the next run, done ids are skipped.
+join as others finish) or asks for one prompt's completions at a time (the
+other modes). A prompt with ``n`` completions is prefilled once; each
+completion is an output row keyed ``(id, sample)``. A row is committed only
+inside a shard; rows in flight when the process dies are redone on the next
+run, done keys are skipped.
 """
 
 from __future__ import annotations
@@ -23,11 +25,23 @@ from typing import Iterator
 
 import mlx.core as mx
 
-from jobs.config import JobConfig, fingerprint, fingerprint_parts, model_identity
+from jobs.config import (
+    ConfigError,
+    JobConfig,
+    fingerprint,
+    fingerprint_parts,
+    model_identity,
+)
 from jobs.lock import FolderInUse
-from jobs.output import OutputError, OutputFolder, read_all_ledgers, writer_name
+from jobs.output import (
+    OutputError,
+    OutputFolder,
+    folder_schema_version,
+    read_all_ledgers,
+    writer_name,
+)
 from jobs.progress import Progress
-from jobs.prompts import Preparer, Request, RowError
+from jobs.prompts import Preparer, Request, RowError, raw_id
 from jobs.readers import PromptSource
 from mtp_engine import MTPEngine
 from mtp_engine.batched import BatchedDecoder
@@ -41,7 +55,7 @@ class JobSummary:
     Attributes:
         output: The output folder.
         total: Rows of the dataset for this process (None if unknown).
-        done: Rows committed in total (this and earlier runs).
+        done: Rows (completions) committed in total (this and earlier runs).
         committed: Rows committed by this run.
         errors: Error rows committed by this run.
         tokens: Completion tokens committed by this run.
@@ -145,12 +159,13 @@ class _Buffer:
         self.last_commit = now
 
 
-def build_manifest(config: JobConfig, engine: MTPEngine, source: PromptSource, total: int | None, world: int) -> dict:
+def build_manifest(config: JobConfig, engine: MTPEngine, source: PromptSource, total: int | None, world: int,
+                   schema_version: int = SCHEMA_VERSION) -> dict:
     model_id = model_identity(config.model)
     template = getattr(engine.tokenizer, "chat_template", None)
-    parts = fingerprint_parts(config, model_id, template)
+    parts = fingerprint_parts(config, model_id, template, schema_version)
     return {
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": schema_version,
         "fingerprint": fingerprint(parts),
         "fingerprint_parts": parts,
         "config": config.to_dict(),
@@ -194,10 +209,11 @@ def run_job(
     prefix = f"[rank {rank}/{world}] " if world > 1 else ""
     log = lambda m: print(prefix + m, file=stream, flush=True)  # noqa: E731
     out = OutputFolder(Path(config.output), writer_name(rank), log=log)
-    manifest = build_manifest(config, engine, source, total, world)
+    version = _schema_version(config)
+    manifest = build_manifest(config, engine, source, total, world, version)
     try:
         _open_folder(out, config, manifest, ranks)
-        return _run(config, requested, engine, source, total, out, ranks, stream, log)
+        return _run(config, requested, engine, source, total, out, ranks, stream, log, version)
     except OSError as e:
         raise OutputError(_os_error_message(e, out)) from None
     finally:
@@ -226,6 +242,24 @@ def _open_folder(out: OutputFolder, config: JobConfig, manifest: dict, ranks: Ra
         out.join(manifest, token)
 
 
+def _schema_version(config: JobConfig) -> int:
+    """The output schema the job writes: the folder's own when it resumes
+    one written by an older release (greedy, one completion per prompt),
+    else the current one.
+
+    Raises:
+        ConfigError: The job samples into an older folder.
+    """
+    old = None if config.overwrite else folder_schema_version(Path(config.output))
+    if old is None or old == SCHEMA_VERSION:
+        return SCHEMA_VERSION
+    if config.n > 1 or config.temperature > 0:
+        raise ConfigError(f"{config.output} was written by an older release (output schema {old}: no sample or "
+                          "seed columns) and cannot hold sampled rows; write this job to a new --output, or "
+                          "--overwrite it")
+    return old
+
+
 def _os_error_message(e: OSError, out: OutputFolder) -> str:
     what = e.strerror or str(e)
     where = f" ({e.filename})" if e.filename else ""
@@ -234,7 +268,7 @@ def _os_error_message(e: OSError, out: OutputFolder) -> str:
             errno.EPERM: "check the permissions", errno.ENOTDIR: "a part of --output is a file",
             errno.EEXIST: "a file is in the way"}.get(e.errno, "")
     try:  # what the ledgers hold (the open may have failed before reading them)
-        done = len({rid for e in read_all_ledgers(out.path) for rid in e.ids})
+        done = len({key for e in read_all_ledgers(out.path) for key in e.keys()})
     except (OutputError, OSError):
         done = out.totals.rows
     kept = (f"{done} rows were committed before and are intact; rerun the same command to resume"
@@ -242,21 +276,23 @@ def _os_error_message(e: OSError, out: OutputFolder) -> str:
     return f"cannot write to {out.path}: {what}{where}{'; ' + hint if hint else ''}. {kept}"
 
 
-def _run(config, requested, engine, source, total, out, ranks, stream, log) -> JobSummary:
+def _run(config, requested, engine, source, total, out, ranks, stream, log, version) -> JobSummary:
     rank, world = ranks.rank, ranks.world
-    preparer = Preparer(config, engine.tokenizer, engine.context_length, reserved_ids=_raw_ids(source, config))
+    progress_log = lambda m: progress.log(m)  # noqa: E731  (progress is made below)
+    preparer = Preparer(config, engine.tokenizer, engine.context_length, reserved_ids=_raw_ids(source, config),
+                        sampling_allowed=version >= 2, log=progress_log)
     buffer = _Buffer(out, config.rows_per_shard, config.commit_seconds)
-    mine_total = total if world == 1 else None
+    mine_total = total * config.n if world == 1 and total is not None else None
     progress = Progress(
         mine_total,
-        done=len(out.done_ids) if world == 1 else 0,
+        done=len(out.done) if world == 1 else 0,
         stream=stream,
         prefix=f"[rank {rank}/{world}] " if world > 1 else "",
     )
     progress.log(
         f"job: {config.dataset} -> {config.output} | model {Path(config.model).name} | "
-        f"mode {config.mode}{' (auto)' if requested == 'auto' else ''} | "
-        f"{len(out.done_ids)} rows already done"
+        f"mode {config.mode}{' (auto)' if requested == 'auto' else ''} | {_describe_sampling(config)} | "
+        f"{len(out.done)} rows already done"
     )
     if source.empty_reason is not None:
         progress.log(f"note: {source.empty_reason}; nothing to generate")
@@ -275,7 +311,7 @@ def _run(config, requested, engine, source, total, out, ranks, stream, log) -> J
 
     started = time.perf_counter()
     with StopRequest() as stop:
-        work = _work(source, config, preparer, out.done_ids, rank, world, stop)
+        work = _work(source, config, preparer, out.done, rank, world, stop)
         if config.batched:
             _run_batched(engine, config, work, finish, stop, log=progress.log)
         else:
@@ -290,7 +326,7 @@ def _run(config, requested, engine, source, total, out, ranks, stream, log) -> J
     return JobSummary(
         output=out.path,
         total=total,
-        done=len(out.done_ids),
+        done=len(out.done),
         committed=buffer.committed,
         errors=buffer.errors,
         tokens=buffer.tokens,
@@ -306,31 +342,66 @@ def _raw_ids(source: PromptSource, config: JobConfig) -> set[str]:
     for row in source:
         if config.limit is not None and row.index >= config.limit:
             break
-        raw = (row.data or {}).get(config.id_field)
+        raw = raw_id(row.data, config.id_field)
         if isinstance(raw, (str, int)) and not isinstance(raw, bool):
             ids.add(str(raw))
     return ids
 
 
-def _work(source, config, preparer, done_ids, rank, world, stop) -> Iterator[Request | RowError]:
+def _describe_sampling(config: JobConfig) -> str:
+    if config.temperature == 0:
+        return "greedy" + (" (rows may sample)" if config.n == 1 else "")
+    filters = [f"{k} {v}" for k, v, off in (("top_p", config.top_p, 1.0), ("top_k", config.top_k, 0),
+                                            ("min_p", config.min_p, 0.0)) if v != off]
+    return (f"sampling T={config.temperature}{', ' + ', '.join(filters) if filters else ''}, n={config.n}, "
+            f"seed {config.seed}, {config.sampler} sampler")
+
+
+@dataclass(frozen=True)
+class Work:
+    """A prepared row and the completions (sample indices) it still needs."""
+
+    request: Request
+    samples: tuple[int, ...]
+
+
+def _row_n_hint(row, config: JobConfig) -> int:
+    """The row's n without preparing it (the job's unless the row sets a
+    valid one), to skip finished prompts cheaply on resume."""
+    data = row.data or {}
+    n = (data.get("body") or {}).get("n") if isinstance(data.get("body"), dict) else data.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else config.n
+
+
+def _work(source, config, preparer, done, rank, world, stop) -> Iterator[Work | RowError]:
     """Rows still to do, prepared, in dataset order (stops when asked)."""
     for row in source:
         if config.limit is not None and row.index >= config.limit:
             return
         rid, error = preparer.claim_id(row)
-        if rid in done_ids or row_owner(rid, world) != rank:
+        if row_owner(rid, world) != rank or all((rid, j) in done for j in range(_row_n_hint(row, config))):
             continue
         if stop.requested:
             return
-        yield error if error is not None else preparer.prepare(row, rid)
+        item = error if error is not None else preparer.prepare(row, rid)
+        if isinstance(item, RowError):
+            if (rid, 0) not in done:  # a row that cannot be generated: one error row, sample 0
+                yield item
+            continue
+        samples = tuple(j for j in range(item.n) if (rid, j) not in done)
+        if samples:
+            yield Work(item, samples)
 
 
 def _error_to_row(e: RowError) -> dict:
-    return error_row(id=e.id, index=e.index, line=e.line, kind=e.kind, message=e.message, prompt=e.prompt)
+    return error_row(id=e.id, index=e.index, line=e.line, kind=e.kind, message=e.message, prompt=e.prompt,
+                     chat=e.chat)
 
 
-def _generate_with_retry(engine: MTPEngine, config: JobConfig, req: Request):
-    """Generate; on an exception free MLX's cache and try once more."""
+def _generate_with_retry(engine: MTPEngine, config: JobConfig, req: Request, samples: tuple[int, ...]):
+    """Generate the completions ``samples`` of a prompt (one prefill); on an
+    exception free MLX's cache and try once more."""
+    params = [req.sample_params(j) for j in samples]
     kwargs = dict(
         max_tokens=req.max_tokens,
         mode="baseline" if config.mode == "batch" else config.mode,
@@ -338,23 +409,31 @@ def _generate_with_retry(engine: MTPEngine, config: JobConfig, req: Request):
         tau=config.tau,
         paths=config.paths,
         stop=list(req.stop) or None,
+        temperature=req.sampling.temperature,
+        top_p=req.sampling.top_p,
+        top_k=req.sampling.top_k,
+        min_p=req.sampling.min_p,
+        sampler=req.sampling.sampler,
+        seeds=[p.seed for p in params],
     )
     for attempt in (1, 2):
         try:
-            return engine.generate(req.prompt_ids, **kwargs), None
+            return engine.generate_samples(req.prompt_ids, **kwargs), None
         except Exception as e:  # a broken row must not end the job
             if attempt == 2:
                 return None, f"{type(e).__name__}: {e}"
             mx.clear_cache()
 
 
-def _request_result(req: Request, result, failure: str | None) -> dict:
+def _request_result(req: Request, sample: int, result, failure: str | None) -> dict:
     if failure is not None:
+        params = req.sample_params(sample)
         return error_row(
-            id=req.id, index=req.index, line=req.line, kind="generation_failed",
-            message=failure, prompt=req.prompt,
+            id=req.id, index=req.index, line=req.line, kind="generation_failed", message=failure, prompt=req.prompt,
+            sample=sample, n=req.n, seed=None if params.greedy else params.seed, chat=req.chat,
         )
-    return completion_row(id=req.id, index=req.index, line=req.line, prompt=req.prompt, result=result)
+    return completion_row(id=req.id, index=req.index, line=req.line, prompt=req.prompt, result=result,
+                          sample=sample, n=req.n, chat=req.chat)
 
 
 def _run_one_at_a_time(engine, config, work, finish) -> None:
@@ -362,14 +441,19 @@ def _run_one_at_a_time(engine, config, work, finish) -> None:
         if isinstance(item, RowError):
             finish(_error_to_row(item))
             continue
-        result, failure = _generate_with_retry(engine, config, item)
-        _finish_result(finish, item, result, failure)
+        _generate_all(engine, config, item, finish)
 
 
-def _finish_result(finish, req: Request, result, failure: str | None) -> None:
+def _generate_all(engine, config, item: Work, finish) -> None:
+    results, failure = _generate_with_retry(engine, config, item.request, item.samples)
+    for i, sample in enumerate(item.samples):
+        _finish_result(finish, item.request, sample, results[i] if results else None, failure)
+
+
+def _finish_result(finish, req: Request, sample: int, result, failure: str | None) -> None:
     stats = result.stats if result is not None else None
     speculative = stats is not None and stats.draft_tokens > 0
-    finish(_request_result(req, result, failure), steps=stats.steps if speculative else 0,
+    finish(_request_result(req, sample, result, failure), steps=stats.steps if speculative else 0,
            accepted=stats.accepted if speculative else 0)
 
 
@@ -381,14 +465,11 @@ BATCH_FAILURES_BEFORE_FALLBACK = 2
 
 def _run_batched(engine, config, work, finish, stop, log=None) -> None:
     """Rows decoded ``batch_size`` at once (`mtp_engine.batched`): as one
-    finishes, the next joins."""
+    finishes, the next joins; a prompt's completions share its prefill."""
     mode = "chain" if config.mode == "chain" else "baseline"
     decoder = BatchedDecoder(engine, config.batch_size, mode, config.draft_tokens, label=config.mode)
-    in_flight: dict[str, Request] = {}
+    in_flight: dict[str, list] = {}  # id -> [Work, sample indices still running]
     failures = 0
-
-    def one_row(req: Request) -> None:
-        _finish_result(finish, req, *_generate_with_retry(engine, config, req))
 
     def drain_one_step() -> None:
         nonlocal failures
@@ -398,28 +479,37 @@ def _run_batched(engine, config, work, finish, stop, log=None) -> None:
             # The whole batch failed: redo its rows one at a time, with a retry.
             failures += 1
             mx.clear_cache()
-            for key in decoder.drop_all():
-                one_row(in_flight.pop(key))
+            decoder.drop_all()
+            for item, running in list(in_flight.values()):
+                _generate_all(engine, config, Work(item.request, tuple(running)), finish)
+            in_flight.clear()
             if failures == BATCH_FAILURES_BEFORE_FALLBACK and log is not None:
                 log(f"batch decoding failed {failures} times in a row ({type(e).__name__}: {e}); "
                     "decoding the remaining rows one at a time")
             return
         failures = 0
-        for key, result in finished:
-            _finish_result(finish, in_flight.pop(key), result, None)
+        for (rid, j), result in finished:
+            item, running = in_flight[rid]
+            sample = item.samples[j]
+            running.remove(sample)
+            if not running:
+                del in_flight[rid]
+            _finish_result(finish, item.request, sample, result, None)
 
     try:
         for item in work:
             if isinstance(item, RowError):
                 finish(_error_to_row(item))
                 continue
-            while decoder.pending >= config.batch_size:
+            while decoder.pending and decoder.pending + len(item.samples) > config.batch_size:
                 drain_one_step()
             if failures >= BATCH_FAILURES_BEFORE_FALLBACK:  # batching given up; nothing in flight
-                one_row(item)
+                _generate_all(engine, config, item, finish)
                 continue
-            in_flight[item.id] = item
-            decoder.add(item.id, item.prompt_ids, max_tokens=item.max_tokens, stop=list(item.stop) or None)
+            req = item.request
+            in_flight[req.id] = [item, list(item.samples)]
+            decoder.add(req.id, req.prompt_ids, max_tokens=req.max_tokens, stop=list(req.stop) or None,
+                        sampling=[req.sample_params(j) for j in item.samples])
         while decoder.pending and not stop.requested:
             drain_one_step()
         if stop.requested:

@@ -35,16 +35,16 @@ def folder_state(folder: Path, verify: bool) -> tuple[dict, Totals, list[str]]:
     for ledger in ledgers(folder):
         if tail := ledger.read().tail:
             damage.append(f"{ledger.path.name}: {tail} bytes after its last complete line (cut on resume)")
-    seen: set[str] = set()
+    seen: set[tuple[str, int]] = set()
     totals = Totals()
     for e in entries:
         problem = check_shard(folder, e, checksum=verify)
-        if problem is None and seen & set(e.ids):
-            problem = "it repeats ids of an earlier shard"
+        if problem is None and seen & set(e.keys()):
+            problem = "it repeats rows (id and sample) of an earlier shard"
         if problem is not None:
             damage.append(f"shard {e.shard}: {problem} ({e.rows} rows; a resume quarantines it and redoes them)")
             continue
-        seen.update(e.ids)
+        seen.update(e.keys())
         totals.add(e)
     return manifest, totals, damage
 

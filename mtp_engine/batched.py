@@ -40,8 +40,9 @@ from mtp_engine.cache.batch import (
 from mtp_engine.cache.capture import StateCaptureCache, make_main_cache
 from mtp_engine.drafters.batched import BatchedCppDrafter, BatchedMLXDrafter
 from mtp_engine.projection import ProjectedDrafts
+from mtp_engine.sampling import GREEDY, SamplingParams, choose
 from mtp_engine.stopping import Finisher, stop_list
-from mtp_engine.verify import accepted_prefix, greedy_tokens
+from mtp_engine.verify import decide, decisions
 from schemas.records import GenerationResult, GenerationStats
 
 BATCH_MODES = ("baseline", "chain")
@@ -54,6 +55,7 @@ class _Row:
     finisher: Finisher
     stats: GenerationStats
     x: int  # the last emitted token, not yet fed to the trunk
+    sampling: SamplingParams = GREEDY
     projection: ProjectedDrafts | None = None
     joined_at: float = field(default_factory=time.perf_counter)
 
@@ -65,6 +67,7 @@ class _Queued:
     max_tokens: int
     stop: list[str]
     projection: ProjectedDrafts | None
+    samples: list[SamplingParams] | None  # None: one row, greedy; else one row per sample
 
 
 class BatchedDecoder:
@@ -102,6 +105,7 @@ class BatchedDecoder:
         self.caches = make_batch_cache(engine.model)
         self.rows: list[_Row] = []
         self.queue: list[_Queued] = []
+        self.single_keys: set = set()  # keys added with one SamplingParams (not a list): results keyed as given
 
     def _make_drafter(self, choice):
         if not isinstance(choice, str):
@@ -119,20 +123,36 @@ class BatchedDecoder:
 
     @property
     def pending(self) -> int:
-        """Rows queued or in flight."""
-        return len(self.rows) + len(self.queue)
+        """Rows queued or in flight (a queued prompt counts its samples)."""
+        return len(self.rows) + sum(len(q.samples or (None,)) for q in self.queue)
 
     def add(self, key: Hashable, prompt: str | list[int], *, max_tokens: int = 256,
-            stop: str | list[str] | None = None, projection: ProjectedDrafts | None = None) -> None:
+            stop: str | list[str] | None = None, projection: ProjectedDrafts | None = None,
+            sampling: SamplingParams | list[SamplingParams] | None = None) -> None:
         """Queue a prompt. Raises the errors of `MTPEngine.generate` for it.
-        ``projection`` replaces its drafts at an acceptance profile
-        (benchmarks of random-weight models, `mtp_engine.projection`)."""
+
+        Args:
+            sampling: One `SamplingParams` (one row), or a list of them: one
+                row per sample, keyed ``(key, j)``, all sharing one prefill.
+            projection: Replace its drafts at an acceptance profile
+                (benchmarks of random-weight models, `mtp_engine.projection`).
+        """
         engine = self.engine
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         stops = stop_list(stop)
         ids = engine.check_prompt(engine.encode(prompt))
-        self.queue.append(_Queued(key, ids, min(max_tokens, engine.context_length - len(ids)), stops, projection))
+        samples = sampling if isinstance(sampling, list) else None
+        if samples is None and sampling is not None:
+            samples = [sampling]
+            self.single_keys.add(key)
+        if samples is not None:
+            if not samples or not all(isinstance(p, SamplingParams) for p in samples):
+                raise TypeError("sampling must be SamplingParams or a non-empty list of them")
+            if self.k and any(not p.greedy for p in samples) and isinstance(self.drafter, BatchedCppDrafter):
+                raise ValueError("sampling drafts with the MLX head; the C++ drafter drafts greedily")
+        self.queue.append(_Queued(key, ids, min(max_tokens, engine.context_length - len(ids)), stops, projection,
+                                  samples))
 
     def drop_all(self) -> list[Hashable]:
         """Abandon every row queued or in flight; return their keys."""
@@ -154,17 +174,23 @@ class BatchedDecoder:
             return finished
         depth = min(self.k, max(r.finisher.remaining for r in self.rows) - 1)
         t0 = time.perf_counter()
-        drafts = self.drafter.draft(depth) if depth > 0 else None  # [B, depth]
+        params = [r.sampling for r in self.rows]
+        starts = [len(r.finisher.tokens) for r in self.rows]  # the generated position verify column 0 predicts
+        drafts = self.drafter.draft(depth, params, starts) if depth > 0 else None  # [B, depth]
         if drafts is not None and any(r.projection is not None for r in self.rows):
             drafts = self._project(drafts)
         t1 = time.perf_counter()
-        emitted, hidden = self._verify(drafts)
+        # A row near its budget uses only the drafts it can emit, as a
+        # sequence of its own would draft (the rejection sampler's tokens
+        # depend on how many drafts precede a position).
+        uses = [min(depth, r.finisher.remaining - 1) for r in self.rows]
+        emitted, hidden = self._verify(drafts, params, starts, uses)
         t2 = time.perf_counter()
         done = []
         for b, (row, tokens) in enumerate(zip(self.rows, emitted)):
             s = row.stats
             s.steps += 1
-            s.drafted += depth
+            s.drafted += uses[b]
             s.accepted += len(tokens) - 1
             s.draft_s += t1 - t0
             s.verify_s += t2 - t1
@@ -190,52 +216,74 @@ class BatchedDecoder:
                 rows[b] = row.projection.replace(rows[b], len(row.finisher.tokens))
         return mx.array(rows, dtype=mx.int32)
 
-    def _verify(self, drafts: mx.array | None) -> tuple[list[list[int]], mx.array]:
+    def _verify(self, drafts: mx.array | None, params: list[SamplingParams], starts: list[int],
+                uses: list[int]) -> tuple[list[list[int]], mx.array]:
         """One trunk forward over every row's ``[x, drafts]``; commit each
         row's accepted prefix. Returns what each row emits and the hiddens."""
         x = mx.array([[r.x] for r in self.rows], dtype=mx.int32)  # [B, 1]
-        inputs = x if drafts is None else mx.concatenate([x, drafts], axis=1)  # [B, K+1]
+        if drafts is None:
+            drafts = mx.zeros((len(self.rows), 0), dtype=mx.int32)
+        inputs = mx.concatenate([x, drafts], axis=1)  # [B, K+1]
         width = inputs.shape[1]
         if width > 1:
             for c in self.caches:
                 if isinstance(c, StateCaptureCache):
                     c.begin_capture()
         hidden = self.engine.model.model(inputs, cache=self.caches)  # [B, K+1, dim]
-        targets = greedy_tokens(self.engine.lm_head(hidden)).astype(mx.int32)  # [B, K+1]
-        read = (targets if drafts is None else mx.concatenate([drafts, targets], axis=1)).tolist()
+        logits = self.engine.lm_head(hidden)  # [B, K+1, V]
+        q_scaled = self.drafter.q_scaled if self.drafter is not None and width > 1 else None
+        rejecting = [p.sampler == "rejection" and not p.greedy for p in params] if q_scaled is not None else []
+        lazy = []
+        if not rejecting or not all(rejecting):  # rows whose drafts match targets (greedy, exact sampler)
+            lazy.append(decisions(drafts, logits, params, starts))
+        if any(rejecting):
+            lazy.append(decisions(drafts, logits, params, starts, q_scaled))
+        mx.eval(*lazy)  # one sync for everything the host reads
+        reads = [a.tolist() for a in lazy]
         emitted = []
-        for r in read:
-            draft, target = r[: width - 1], r[width - 1 :]
-            n = accepted_prefix(draft, target)
-            emitted.append(draft[:n] + [target[n]])
+        for b in range(len(self.rows)):
+            rejection = bool(rejecting) and rejecting[b]
+            _, out = decide(reads[-1 if rejection else 0][b], width - 1, rejection, uses[b])
+            emitted.append(out)
         commit_rows(self.caches, width, [len(e) for e in emitted])
         return emitted, hidden
 
     # -- rows joining and leaving ---------------------------------------------
 
     def _admit(self) -> list[tuple[Hashable, GenerationResult]]:
-        """Prefill queued prompts, one at a time, into free places."""
+        """Prefill queued prompts, one at a time, into free places (a prompt
+        with n samples needs n places, or an empty batch)."""
         finished = []
-        while self.queue and len(self.rows) < self.batch_size:
-            q = self.queue.pop(0)
+        while self.queue:
+            q = self.queue[0]
+            samples = q.samples or [GREEDY]
+            if self.rows and len(self.rows) + len(samples) > self.batch_size:
+                break
+            self.queue.pop(0)
             engine = self.engine
-            stats = GenerationStats(mode=self.label, prompt_tokens=len(q.prompt),
-                                    draft_tokens=self.k, paths=1)
-            stats.histogram = [0] * (self.k + 1) if self.k else []
-            finisher = Finisher(engine.tokenizer, engine.eos_token_ids, q.max_tokens, q.stop)
             t0 = time.perf_counter()
             caches = make_main_cache(engine.model)
-            hidden, x = engine._prefill(q.prompt, caches, keep_hidden=self.k > 0)
-            stats.prefill_s = time.perf_counter() - t0
-            row = _Row(q.key, q.prompt, finisher, stats, x, q.projection)
-            finisher.add([x])
-            if finisher.done:
-                finished.append((q.key, self._result(row)))
-                continue
-            append_row(self.caches, caches, len(self.rows))
-            if self.drafter is not None:
-                self.drafter.add_row(hidden, q.prompt[1:] + [x])
-            self.rows.append(row)
+            hidden, logits = engine.prefill(q.prompt, caches, keep_hidden=self.k > 0)
+            prefill_s = (time.perf_counter() - t0) / len(samples)
+            firsts = choose(mx.concatenate([logits] * len(samples)), samples,
+                            mx.zeros((len(samples), 1), dtype=mx.int32)).tolist()  # generated position 0
+            for j, (params, (x,)) in enumerate(zip(samples, firsts)):
+                key = q.key if q.samples is None or q.key in self.single_keys else (q.key, j)
+                stats = GenerationStats(mode=self.label, prompt_tokens=len(q.prompt), draft_tokens=self.k, paths=1,
+                                        temperature=params.temperature,
+                                        seed=None if params.greedy else params.seed, prefill_s=prefill_s)
+                stats.histogram = [0] * (self.k + 1) if self.k else []
+                finisher = Finisher(engine.tokenizer, engine.eos_token_ids, q.max_tokens, q.stop)
+                row = _Row(key, q.prompt, finisher, stats, x, params, q.projection)
+                finisher.add([x])
+                if finisher.done:
+                    finished.append((key, self._result(row)))
+                    continue
+                append_row(self.caches, caches, len(self.rows))
+                if self.drafter is not None:
+                    self.drafter.add_row(hidden, q.prompt[1:] + [x])
+                self.rows.append(row)
+            self.single_keys.discard(q.key)
         return finished
 
     def _keep(self, rows: list[int]) -> None:

@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from mtp_engine.batched import BatchedDecoder
 from mtp_engine.cache.capture import make_main_cache
+from mtp_engine.cache.ops import restore, snapshot
 from mtp_engine.drafters.select import (
     DRAFTERS,
     EngineDrafters,
@@ -38,8 +39,9 @@ from mtp_engine.options import (
     cudnn_attention_on,
 )
 from mtp_engine.projection import ProjectedDrafts
+from mtp_engine.sampling import GREEDY, SamplingParams, choose, make_sampling
 from mtp_engine.stopping import Finisher, stop_list
-from mtp_engine.verify import VerifyOutcome, greedy_tokens, top_logits, verify
+from mtp_engine.verify import VerifyOutcome, top_logits, verify
 from schemas.records import GenerationResult, GenerationStats, StepTrace
 
 
@@ -180,8 +182,14 @@ class MTPEngine:
         tree_pos2: bool = True,
         drafter: str = "auto",
         projection: ProjectedDrafts | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | None = None,
+        sampler: str = "exact",
     ) -> GenerationResult:
-        """Decode one prompt greedily.
+        """Decode one prompt: greedily, or sampling (`mtp_engine.sampling`).
 
         Args:
             prompt: Text (tokenized as is) or token ids.
@@ -201,6 +209,14 @@ class MTPEngine:
                 output.
             projection: Chain drafts replaced at an acceptance profile
                 (benchmarks of random-weight models; `mtp_engine.projection`).
+            temperature: 0 decodes greedily (the other sampling arguments
+                are then ignored).
+            top_p, top_k, min_p: Filters, in mlx-lm's order.
+            seed: The completion's seed (None: a fresh random one, recorded
+                in ``result.stats.seed``).
+            sampler: "exact" (every mode emits plain sampling's tokens for
+                the seed) or "rejection" (speculative sampling, lossless in
+                distribution; chain and baseline modes).
 
         Returns:
             A `GenerationResult`.
@@ -209,50 +225,89 @@ class MTPEngine:
             ValueError: Bad parameters, an empty prompt, or
                 `PromptTooLongError` for a prompt over the context.
         """
+        return self.generate_samples(
+            prompt, seeds=[seed], max_tokens=max_tokens, mode=mode, draft_tokens=draft_tokens, tau=tau,
+            paths=paths, stop=stop, trace=trace, tree_pos2=tree_pos2, drafter=drafter, projection=projection,
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, sampler=sampler)[0]
+
+    def generate_samples(
+        self,
+        prompt: str | list[int],
+        *,
+        seeds: list[int | None],
+        max_tokens: int = 256,
+        mode: str = "chain",
+        draft_tokens: int = 4,
+        tau: float = 0.5,
+        paths: int = 2,
+        stop: str | list[str] | None = None,
+        trace: bool = False,
+        tree_pos2: bool = True,
+        drafter: str = "auto",
+        projection: ProjectedDrafts | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        sampler: str = "exact",
+    ) -> list[GenerationResult]:
+        """Several completions of one prompt, one per seed, sharing one
+        prefill (its caches are restored before each completion). Each
+        result equals `generate` with that seed. Arguments as `generate`."""
         spec = DecodeConfig(
             mode=mode, draft_tokens=draft_tokens, tau=tau, paths=paths, tree_pos2=tree_pos2
         )
+        if not isinstance(seeds, (list, tuple)) or not seeds:
+            raise ValueError(f"seeds must be a non-empty list, got {seeds!r}")
+        samplings = [make_sampling(temperature, top_p, top_k, min_p, seed, sampler) for seed in seeds]
+        first = samplings[0]
+        if first.sampler == "rejection" and not first.greedy and spec.mode not in ("baseline", "chain"):
+            raise ValueError(f"the rejection sampler drafts chains; mode {spec.mode!r} needs sampler='exact'")
         if drafter not in DRAFTERS and drafter != "c++":
             raise ValueError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))}, got {drafter!r}")
-        chosen = self.drafter_for(spec.mode, drafter) if spec.speculative else None
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        chosen = self.drafter_for(spec.mode, drafter, first) if spec.speculative else None
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         stops = stop_list(stop)
         ids = self.check_prompt(self.encode(prompt))
         max_tokens = min(max_tokens, self.context_length - len(ids))
 
-        stats = GenerationStats(mode=spec.mode, prompt_tokens=len(ids), **spec.stats_params())
-        stats.histogram = [0] * (spec.draft_tokens + 1) if spec.speculative else []
-        stats.row_wins = [0] * spec.max_paths if spec.speculative else []
-        finisher = Finisher(self.tokenizer, self.eos_token_ids, max_tokens, stops)
-        steps: list[StepTrace] | None = [] if trace else None
-
         t0 = time.perf_counter()
         caches = make_main_cache(self.model)
-        if spec.speculative:
-            prompt_hidden, x = self._prefill(ids, caches, keep_hidden=True)
-        else:
-            _, x = self._prefill(ids, caches, keep_hidden=False)
-        t1 = time.perf_counter()
-        finisher.add([x])
-        if not finisher.done:
-            if spec.speculative:
-                self._speculate(spec, chosen, ids, prompt_hidden, x, caches, finisher, stats, steps, projection)
-            else:
-                self._plain(x, caches, finisher, stats)
-        t2 = time.perf_counter()
-
-        stats.prefill_s = t1 - t0
-        stats.decode_s = t2 - t1
-        stats.generated_tokens = len(finisher.tokens)
-        return GenerationResult(
-            tokens=finisher.tokens,
-            text=finisher.text(),
-            finish_reason=finisher.reason or "length",
-            stats=stats,
-            prompt_tokens=ids,
-            trace=steps,
-        )
+        prompt_hidden, logits = self.prefill(ids, caches, keep_hidden=spec.speculative)
+        saved = snapshot(caches) if len(samplings) > 1 else None
+        prefill_s = (time.perf_counter() - t0) / len(samplings)
+        results = []
+        for j, sampling in enumerate(samplings):
+            t1 = time.perf_counter()
+            if j:
+                restore(caches, saved)
+            x = int(choose(logits, [sampling], mx.zeros((1, 1), dtype=mx.int32)).item())  # generated position 0
+            stats = GenerationStats(mode=spec.mode, prompt_tokens=len(ids), temperature=sampling.temperature,
+                                    seed=None if sampling.greedy else sampling.seed, **spec.stats_params())
+            stats.histogram = [0] * (spec.draft_tokens + 1) if spec.speculative else []
+            stats.row_wins = [0] * spec.max_paths if spec.speculative else []
+            finisher = Finisher(self.tokenizer, self.eos_token_ids, max_tokens, stops)
+            steps: list[StepTrace] | None = [] if trace else None
+            finisher.add([x])
+            if not finisher.done:
+                if spec.speculative:
+                    self._speculate(spec, chosen, ids, prompt_hidden, x, caches, finisher, stats, steps, projection,
+                                    sampling)
+                else:
+                    self._plain(x, caches, finisher, stats, sampling)
+            stats.prefill_s = prefill_s
+            stats.decode_s = time.perf_counter() - t1
+            stats.generated_tokens = len(finisher.tokens)
+            results.append(GenerationResult(
+                tokens=finisher.tokens,
+                text=finisher.text(),
+                finish_reason=finisher.reason or "length",
+                stats=stats,
+                prompt_tokens=ids,
+                trace=steps,
+            ))
+        return results
 
     def generate_batch_iter(
         self,
@@ -264,6 +319,12 @@ class MTPEngine:
         draft_tokens: int = 3,
         stop: str | list[str] | None = None,
         drafter: str = "auto",
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        seed: int | list[int | None] | None = None,
+        sampler: str = "exact",
     ) -> Iterator[tuple[int, GenerationResult]]:
         """Decode many prompts with batched speculation (`mtp_engine.batched`),
         yielding ``(index, result)`` as rows finish.
@@ -277,6 +338,12 @@ class MTPEngine:
                 "baseline" (plain batched decoding).
             stop: Stop string(s) for every prompt.
             drafter: "auto", "mlx" or "cpp".
+            temperature, top_p, top_k, min_p, sampler: Sampling, as
+                `generate`, for every prompt.
+            seed: One seed per prompt (a list), or one integer (prompt
+                ``i`` then samples with seed ``seed + i``), or None (fresh
+                random seeds). Each prompt's tokens equal `generate`'s with
+                its seed, whatever the batch holds (exact sampler).
 
         Raises:
             ValueError/TypeError: Bad parameters or prompts (checked before
@@ -285,9 +352,16 @@ class MTPEngine:
         budgets = max_tokens if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
         if len(budgets) != len(prompts):
             raise ValueError(f"{len(budgets)} max_tokens for {len(prompts)} prompts")
+        if isinstance(seed, (list, tuple)):
+            seeds = list(seed)
+        else:
+            seeds = [None if seed is None else seed + i for i in range(len(prompts))]
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        params = [make_sampling(temperature, top_p, top_k, min_p, s, sampler) for s in seeds]
         decoder = BatchedDecoder(self, batch_size, mode, draft_tokens, drafter)
         for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
-            decoder.add(i, prompt, max_tokens=budget, stop=stop)
+            decoder.add(i, prompt, max_tokens=budget, stop=stop, sampling=params[i])
         try:
             while decoder.pending:
                 yield from decoder.step()
@@ -301,13 +375,14 @@ class MTPEngine:
             results[i] = result
         return results
 
-    def _prefill(self, ids: list[int], caches: list, keep_hidden: bool):
+    def prefill(self, ids: list[int], caches: list, keep_hidden: bool) -> tuple[mx.array | None, mx.array]:
         """Feed the prompt as mlx-lm's ``generate_step`` does (chunks of all but
         the last token, then the last token alone).
 
         Returns:
-            ``(hidden, x)``: the prompt's final-normed hiddens ``[1, n, dim]``
-            (None unless ``keep_hidden``) and the first generated token.
+            ``(hidden, logits)``: the prompt's final-normed hiddens ``[1, n,
+            dim]`` (None unless ``keep_hidden``) and the last position's
+            logits ``[1, 1, vocab]``, evaluated.
         """
         trunk = self.model.model
         prompt = mx.array(ids)
@@ -323,27 +398,32 @@ class MTPEngine:
             prompt = prompt[n:]
             mx.clear_cache()
         h = trunk(prompt[None], cache=caches)
-        x = greedy_tokens(self.lm_head(h[:, -1, :]))
+        logits = self.lm_head(h[:, -1:, :])
         hiddens.append(h)
         hidden = mx.concatenate(hiddens, axis=1) if keep_hidden else None
-        mx.eval(x, hidden) if keep_hidden else mx.eval(x)
-        return hidden, int(x.item())
+        mx.eval(logits, hidden) if keep_hidden else mx.eval(logits, [c.state for c in caches])
+        return hidden, logits
 
-    def _plain(self, x: int, caches: list, finisher: Finisher, stats: GenerationStats) -> None:
-        """Plain greedy decoding, pipelined like mlx-lm's ``generate_step``."""
+    def _plain(self, x: int, caches: list, finisher: Finisher, stats: GenerationStats,
+               sampling: SamplingParams = GREEDY) -> None:
+        """Plain decoding (one token per forward), pipelined like mlx-lm's
+        ``generate_step``."""
         model = self.model
 
-        def step(token: mx.array) -> mx.array:
-            return greedy_tokens(model(token.reshape(1, 1), cache=caches)[:, -1, :])
+        def step(token: mx.array, position: int) -> mx.array:
+            logits = model(token.reshape(1, 1), cache=caches)[:, -1:, :]
+            return choose(logits, [sampling], mx.array([[position]], dtype=mx.int32))
 
-        y = step(mx.array([x]))
+        position = len(finisher.tokens)  # the generated position of the token the next forward gives
+        y = step(mx.array([x]), position)
         mx.async_eval(y)
         while True:
             # Queue the following token before reading this one, so the host
             # work overlaps the next forward.
             next_y = None
+            position += 1
             if finisher.remaining > 1:
-                next_y = step(y)
+                next_y = step(y, position)
                 mx.async_eval(next_y)
             stats.steps += 1
             finisher.add([int(y.item())])
@@ -353,13 +433,16 @@ class MTPEngine:
             if stats.steps % 256 == 0:
                 mx.clear_cache()
 
-    def drafter_for(self, mode: str, choice: str = "auto"):
+    def drafter_for(self, mode: str, choice: str = "auto", sampling: SamplingParams = GREEDY):
         """The drafter a mode uses (`mtp_engine.drafters.select.select_drafter`)."""
-        return select_drafter(self.drafters, mode, choice)
+        return select_drafter(self.drafters, mode, choice, sampling)
 
     def _speculate(self, spec, drafter, ids, prompt_hidden, x, caches, finisher, stats, steps,
-                   projection: ProjectedDrafts | None = None) -> None:
+                   projection: ProjectedDrafts | None = None, sampling: SamplingParams = GREEDY) -> None:
         state = drafter.new_state()
+        if not sampling.greedy:
+            state.sampling = sampling
+        rejection = sampling.sampler == "rejection" and not sampling.greedy
         # Pairs (H_0, t_1) .. (H_{n-1}, x): the prompt's MTP prefill and the
         # first draft's input, consumed by the first draft forward.
         drafter.set_pending(state, prompt_hidden, ids[1:] + [x])
@@ -367,12 +450,16 @@ class MTPEngine:
             # Never draft past max_tokens: with one token left, verify x alone.
             depth = finisher.remaining - 1
             t0 = time.perf_counter()
+            start = len(finisher.tokens)  # the generated position verify column 0 predicts
+            if not sampling.greedy:
+                state.position = start
             drafted = spec.propose(drafter, state, depth) if depth >= 1 else [[]]
             if projection is not None and depth >= 1:
                 rows = drafted.tolist() if isinstance(drafted, mx.array) else drafted
                 drafted = [projection.replace(rows[0], len(finisher.tokens))] + rows[1:]
             t1 = time.perf_counter()
-            out = self._verify(caches, x, drafted)
+            q_scaled = mx.concatenate(state.q_scaled)[None] if rejection and depth >= 1 else None
+            out = self._verify(caches, x, drafted, sampling, start, q_scaled)
             drafted = out.paths
             stats.draft_s += t1 - t0
             stats.verify_s += time.perf_counter() - t1
@@ -390,5 +477,7 @@ class MTPEngine:
             drafter.commit(state, out.hidden, out.emitted, row=out.row)
             x = out.emitted[-1]
 
-    def _verify(self, caches: list, x: int, paths: list[list[int]] | mx.array) -> VerifyOutcome:
-        return verify(self.model.model, self.lm_head, caches, x, paths, capture=self.options.state_capture)
+    def _verify(self, caches: list, x: int, paths: list[list[int]] | mx.array, sampling: SamplingParams = GREEDY,
+                start: int = 0, q_scaled: mx.array | None = None) -> VerifyOutcome:
+        return verify(self.model.model, self.lm_head, caches, x, paths, self.options.state_capture, sampling, start,
+                      q_scaled)

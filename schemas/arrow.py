@@ -1,18 +1,26 @@
 """Arrow schema of the job runner's output rows.
 
-One row per input row: the completion, or an error row with ``finish_reason``
-"error" and ``error`` set to ``"<kind>: <message>"``. ``acceptance`` holds the
-speculative-decoding statistics (null for error rows; only ``mode`` and the
-timings are set in batch mode).
+One row per completion: the completion, or an error row with
+``finish_reason`` "error" and ``error`` set to ``"<kind>: <message>"``.
+``acceptance`` holds the speculative-decoding statistics (null for error
+rows; only ``mode`` and the timings are set in batch mode). Version 2 adds
+``sample`` (0..n-1, the completion's index among its prompt's), ``n``
+(how many completions the prompt gets; 1 for a row that cannot be
+generated, whose single error row is sample 0), ``seed``
+(null for greedy rows) and ``chat`` (whether the prompt was rendered from
+chat messages); folders written with version 1 keep it when they resume
+(`completion_schema`).
 """
 
 from __future__ import annotations
 
+import datasets
 import pyarrow as pa
 
 from schemas.records import GenerationResult
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+SCHEMA_VERSIONS = (1, 2)
 
 ACCEPTANCE_TYPE = pa.struct(
     [
@@ -31,27 +39,39 @@ ACCEPTANCE_TYPE = pa.struct(
     ]
 )
 
-COMPLETION_SCHEMA = pa.schema(
-    [
-        pa.field("id", pa.string(), nullable=False),
-        pa.field("index", pa.int64()),
-        pa.field("line", pa.int64()),
-        pa.field("prompt", pa.string()),
-        pa.field("completion", pa.string()),
-        pa.field("prompt_tokens", pa.int32()),
-        pa.field("completion_tokens", pa.int32()),
-        pa.field("finish_reason", pa.string()),
-        pa.field("error", pa.string()),
-        pa.field("acceptance", ACCEPTANCE_TYPE),
-    ],
-    metadata={"mtp_batch_schema_version": str(SCHEMA_VERSION)},
-)
+_FIELDS_V1 = [
+    pa.field("id", pa.string(), nullable=False),
+    pa.field("index", pa.int64()),
+    pa.field("line", pa.int64()),
+    pa.field("prompt", pa.string()),
+    pa.field("completion", pa.string()),
+    pa.field("prompt_tokens", pa.int32()),
+    pa.field("completion_tokens", pa.int32()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("error", pa.string()),
+    pa.field("acceptance", ACCEPTANCE_TYPE),
+]
+_FIELDS_V2 = (_FIELDS_V1[:1] + [pa.field("sample", pa.int32()), pa.field("n", pa.int32()), pa.field("seed", pa.int64())]
+              + _FIELDS_V1[1:4]
+              + [pa.field("chat", pa.bool_())] + _FIELDS_V1[4:])
+
+
+def completion_schema(version: int = SCHEMA_VERSION) -> pa.Schema:
+    """The output schema of one version (`SCHEMA_VERSIONS`)."""
+    if version not in SCHEMA_VERSIONS:
+        raise ValueError(f"unknown output schema version {version!r}; this release reads {SCHEMA_VERSIONS}")
+    fields = _FIELDS_V1 if version == 1 else _FIELDS_V2
+    return pa.schema(fields, metadata={"mtp_batch_schema_version": str(version)})
+
+
+COMPLETION_SCHEMA = completion_schema()
 
 FINISH_REASONS = ("stop", "length", "error")
 
 
 def completion_row(
-    *, id: str, index: int, line: int | None, prompt: str, result: GenerationResult
+    *, id: str, index: int, line: int | None, prompt: str, result: GenerationResult, sample: int = 0,
+    n: int = 1, chat: bool | None = None,
 ) -> dict:
     """An output row for a finished generation."""
     s = result.stats
@@ -74,9 +94,13 @@ def completion_row(
         }
     return {
         "id": id,
+        "sample": sample,
+        "n": n,
+        "seed": s.seed,
         "index": index,
         "line": line,
         "prompt": prompt,
+        "chat": chat,
         "completion": result.text,
         "prompt_tokens": s.prompt_tokens,
         "completion_tokens": len(result.tokens),
@@ -87,14 +111,19 @@ def completion_row(
 
 
 def error_row(
-    *, id: str, index: int, line: int | None, kind: str, message: str, prompt: str | None = None
+    *, id: str, index: int, line: int | None, kind: str, message: str, prompt: str | None = None, sample: int = 0,
+    n: int = 1, seed: int | None = None, chat: bool | None = None,
 ) -> dict:
     """An output row for an input that could not be generated."""
     return {
         "id": id,
+        "sample": sample,
+        "n": n,
+        "seed": seed,
         "index": index,
         "line": line,
         "prompt": prompt,
+        "chat": chat,
         "completion": None,
         "prompt_tokens": None,
         "completion_tokens": None,
@@ -104,14 +133,12 @@ def error_row(
     }
 
 
-def rows_to_batch(rows: list[dict]) -> pa.RecordBatch:
-    """Build a RecordBatch against `COMPLETION_SCHEMA` (missing keys are null)."""
-    columns = {name: [row.get(name) for row in rows] for name in COMPLETION_SCHEMA.names}
-    return pa.RecordBatch.from_pydict(columns, schema=COMPLETION_SCHEMA)
+def rows_to_batch(rows: list[dict], schema: pa.Schema = COMPLETION_SCHEMA) -> pa.RecordBatch:
+    """Build a RecordBatch against ``schema`` (missing keys are null)."""
+    columns = {name: [row.get(name) for row in rows] for name in schema.names}
+    return pa.RecordBatch.from_pydict(columns, schema=schema)
 
 
-def dataset_features_dict() -> dict:
-    """The ``features`` entry of ``dataset_info.json`` for this schema."""
-    import datasets
-
-    return datasets.Features.from_arrow_schema(COMPLETION_SCHEMA).to_dict()
+def dataset_features_dict(schema: pa.Schema = COMPLETION_SCHEMA) -> dict:
+    """The ``features`` entry of ``dataset_info.json`` for ``schema``."""
+    return datasets.Features.from_arrow_schema(schema).to_dict()

@@ -34,6 +34,8 @@ class GenerationStats:
         decode_s: Seconds spent after the first token.
         draft_s: Part of ``decode_s`` spent drafting (MTP forwards).
         verify_s: Part of ``decode_s`` spent in verify forwards and commits.
+        temperature: The sampling temperature (0: greedy).
+        seed: The completion's seed when it sampled, else None.
     """
 
     mode: str
@@ -52,6 +54,8 @@ class GenerationStats:
     decode_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    temperature: float = 0.0
+    seed: int | None = None
 
     @property
     def acceptance_length(self) -> float:

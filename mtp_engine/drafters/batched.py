@@ -25,6 +25,8 @@ from mtp_engine.cache.batch import BatchKVCache
 from mtp_engine.drafters.compiled_head import MAX_COMPILED_WIDTH, CompiledHead
 from mtp_engine.drafters.cpp_head import CppDrafter
 from mtp_engine.model.mtp_head import MTPHead
+from mtp_engine.sampling import SamplingParams, draft_choice
+from mtp_engine.verify import positions_of
 
 
 @dataclass
@@ -58,6 +60,7 @@ class BatchedMLXDrafter:
         self.prefill_step_size = prefill_step_size
         self.compiled = compiled
         self._greedy = mx.compile(lambda m: mx.argmax(lm_head(m), axis=-1).astype(mx.int32))
+        self.q_scaled: mx.array | None = None
         self.cache = [BatchKVCache() for _ in head.layers]
         self.pending: list[_Pending] = []
         self._base: tuple[int, list[int]] | None = None
@@ -101,10 +104,15 @@ class BatchedMLXDrafter:
         counts = [c for p in self.pending for c in p.counts]
         return hidden, tokens, counts
 
-    def draft(self, k: int) -> mx.array:
-        """``[B, k]`` int32 greedy drafts (lazy), one head forward per position."""
+    def draft(self, k: int, params: list[SamplingParams] | None = None, starts: list[int] | None = None) -> mx.array:
+        """``[B, k]`` int32 drafts (lazy), one head forward per position:
+        greedy, or each row's sampler choice at generated positions
+        ``starts[b]..`` (then `q_scaled` holds what rejection needs)."""
         if k < 1:
             raise ValueError(f"a chain draft needs k >= 1 tokens, got {k}")
+        self.q_scaled = None
+        if params is not None and not all(p.greedy for p in params):
+            return self._draft_sampled(k, params, starts)
         hidden, tokens, counts = self._gather_pending()
         width = hidden.shape[1]
         ids = mx.array([t + [0] * (width - len(t)) for t in tokens], dtype=mx.int32)  # [B, width]
@@ -120,6 +128,27 @@ class BatchedMLXDrafter:
             last = self._forward(last, drafts[-1][:, None])
             drafts.append(self._greedy(last[:, 0]))
         return mx.stack(drafts, axis=1)
+
+    def _draft_sampled(self, k: int, params: list[SamplingParams], starts: list[int]) -> mx.array:
+        hidden, tokens, counts = self._gather_pending()
+        width = hidden.shape[1]
+        ids = mx.array([t + [0] * (width - len(t)) for t in tokens], dtype=mx.int32)
+        m = self._forward(hidden, ids)
+        for c in self.cache:
+            c.settle(counts, width)
+        self._base = (self.cache[0].idx, list(self.cache[0].positions))
+        last = m[mx.arange(len(counts)), mx.array(counts) - 1][:, None]  # [B, 1, dim]
+        drafts, scaled = [], []
+        for depth in range(k):
+            if depth:
+                last = self._forward(last, drafts[-1])
+            d, q = draft_choice(self.lm_head(last), params, positions_of(starts, 1) + depth)
+            drafts.append(d)
+            scaled.append(q)
+            mx.async_eval(d)
+        if scaled[0] is not None:
+            self.q_scaled = mx.concatenate(scaled, axis=1)  # [B, k, V]
+        return mx.concatenate(drafts, axis=1)
 
     def _forward(self, hidden: mx.array, ids: mx.array) -> mx.array:
         """The head's final-normed hiddens over ``[B, L]`` pairs."""
@@ -145,6 +174,7 @@ class BatchedCppDrafter:
     def __init__(self, cpp: CppDrafter):
         self.cpp = cpp
         self.states = []
+        self.q_scaled = None
 
     @property
     def rows(self) -> int:
@@ -158,7 +188,10 @@ class BatchedCppDrafter:
     def filter(self, rows: list[int]) -> None:
         self.states = [self.states[r] for r in rows]
 
-    def draft(self, k: int) -> mx.array:
+    def draft(self, k: int, params: list[SamplingParams] | None = None, starts: list[int] | None = None) -> mx.array:
+        if params is not None and not all(p.greedy for p in params):
+            raise ValueError("the C++ drafter drafts greedily; sampling drafts with the MLX head")
+        self.q_scaled = None
         return mx.concatenate([self.cpp.draft(s, k) for s in self.states], axis=0)
 
     def commit(self, hidden: mx.array, emitted: list[list[int]]) -> None:

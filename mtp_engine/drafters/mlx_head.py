@@ -33,6 +33,16 @@ from mtp_engine.drafters.compiled_head import (
 )
 from mtp_engine.model.mtp_head import MTPHead
 from mtp_engine.modes import SPECULATIVE_MODES
+from mtp_engine.sampling import (
+    DRAFT,
+    GREEDY,
+    TARGET,
+    SamplingParams,
+    choose,
+    gumbel,
+    ranked,
+    scaled_logprobs,
+)
 
 
 @dataclass
@@ -45,12 +55,22 @@ class MTPDraftState:
         pending_tokens: Tokens of those pairs (``t_{i+1}`` for ``H_i``).
         base: Cache offset after the pending pairs are consumed; entries
             below it are true (committed) ones, above it drafted ones.
+        sampling: How drafts are chosen: greedy, the exact sampler's
+            choice (the targets' noise at the same position) or a sample of
+            the head's distribution (rejection sampler).
+        position: The generated position the next draft call's first
+            draft proposes (set by the engine before each draft).
+        q_scaled: Rejection sampler: the head's scaled log-probabilities at
+            each draft of the last chain, ``[1, V]`` each.
     """
 
     cache: list[KVCache]
     pending_hidden: mx.array | None = None
     pending_tokens: list[int] = field(default_factory=list)
     base: int = 0
+    sampling: SamplingParams = GREEDY
+    position: int = 0
+    q_scaled: list[mx.array] = field(default_factory=list)
 
     @property
     def offset(self) -> int:
@@ -161,14 +181,43 @@ class MLXDrafter:
         """One draft step from ``(hidden, token)``; returns logits and ``M``."""
         return self._forward(state, hidden, mx.array([[token]]))[:2]
 
-    def _continue(self, state: MTPDraftState, hidden: mx.array, token: int, n: int) -> list[int]:
-        """Greedily extend a path ending in ``token`` (made with ``hidden``) by n."""
+    def _choose(self, state: MTPDraftState, logits: mx.array, greedy: mx.array, depth: int) -> mx.array:
+        """The draft at ``depth`` of the current call from the head's logits
+        ``[V]``: ``greedy`` ``[1, 1]``, or the sampler's choice."""
+        s = state.sampling
+        if s.greedy:
+            return greedy
+        position = mx.array([[state.position + depth]], dtype=mx.int32)
+        if s.sampler == "rejection":
+            scaled = scaled_logprobs(logits[None, None], [s])[0]  # [1, V]
+            state.q_scaled.append(scaled)
+            noise = gumbel([s.seed], position, logits.shape[-1], DRAFT)[0]
+            return mx.argmax(scaled + noise, axis=-1).astype(mx.int32).reshape(1, 1)
+        return choose(logits[None, None], [s], position, TARGET)
+
+    def _continue(self, state: MTPDraftState, hidden: mx.array, token: int, n: int, depth: int) -> list[int]:
+        """Extend a path ending in ``token`` (made with ``hidden``, the draft
+        at ``depth - 1``) by n drafts."""
         out = []
-        for _ in range(n):
-            _, hidden, greedy = self._forward(state, hidden, mx.array([[token]]))
-            token = greedy.item()
+        for i in range(n):
+            logits, hidden, greedy = self._forward(state, hidden, mx.array([[token]]))
+            token = self._choose(state, logits, greedy, depth + i).item()
             out.append(token)
         return out
+
+    def _top1(self, state: MTPDraftState, logits: mx.array, depth: int) -> tuple[int, float]:
+        """The draft at ``depth`` and its softmax probability, one host sync."""
+        if state.sampling.greedy:
+            return _top1(logits)
+        token = self._choose(state, logits, None, depth).reshape(())
+        prob = mx.exp(logits[token] - mx.logsumexp(logits))
+        mx.eval(token, prob)
+        return int(token), float(prob)
+
+    def _ranked(self, state: MTPDraftState, logits: mx.array, depth: int, k: int) -> list[int]:
+        """The ``k`` best drafts at ``depth`` (greedy: likeliest first; the
+        exact sampler: by the targets' perturbed scores)."""
+        return ranked(logits, state.sampling, state.position + depth, min(k, logits.shape[-1]))
 
     # -- strategies ----------------------------------------------------------
 
@@ -177,11 +226,14 @@ class MLXDrafter:
         the verify forward takes them as they are."""
         if k < 1:
             raise ValueError(f"a chain draft needs k >= 1 tokens, got {k}")
-        _, m, d = self._forward_pending(state)
+        state.q_scaled = []
+        logits, m, d = self._forward_pending(state)
+        d = self._choose(state, logits, d, 0)
         tokens = [d]
-        for _ in range(k - 1):
+        for depth in range(1, k):
             mx.async_eval(d)  # start each step at once (module docstring)
-            _, m, d = self._forward(state, m, d)
+            logits, m, d = self._forward(state, m, d)
+            d = self._choose(state, logits, d, depth)
             tokens.append(d)
         mx.async_eval(d)
         return mx.concatenate(tokens, axis=1)
@@ -190,11 +242,11 @@ class MLXDrafter:
         """Greedy chain that stops once the running product of top-1
         probabilities falls below ``tau``; 1..depth_max tokens."""
         logits, m = self.first_step(state)
-        d, p = _top1(logits)
+        d, p = self._top1(state, logits, 0)
         chain, confidence = [d], p
         while len(chain) < depth_max and confidence >= tau:
             logits, m = self.step(state, m, d)
-            d, p = _top1(logits)
+            d, p = self._top1(state, logits, len(chain))
             chain.append(d)
             confidence *= p
         return chain
@@ -203,21 +255,21 @@ class MLXDrafter:
         """Minimal tree: chain A (all top-1), B (runner-up at draft position 1)
         and, if ``pos2`` and k >= 2, C (runner-up at position 2). Each k long."""
         logits, m1 = self.first_step(state)
-        d1a, d1b = _topk(logits, 2)
+        d1a, d1b = self._ranked(state, logits, 0, 2)
         fork1 = state.offset
         paths = []
         if pos2 and k >= 2:
             logits2, m2 = self.step(state, m1, d1a)
-            d2a, d2c = _topk(logits2, 2)
+            d2a, d2c = self._ranked(state, logits2, 1, 2)
             fork2 = state.offset
-            paths.append([d1a, d2a] + self._continue(state, m2, d2a, k - 2))
+            paths.append([d1a, d2a] + self._continue(state, m2, d2a, k - 2, 2))
             self.rewind(state, fork2)
-            chain_c = [d1a, d2c] + self._continue(state, m2, d2c, k - 2)
+            chain_c = [d1a, d2c] + self._continue(state, m2, d2c, k - 2, 2)
         else:
-            paths.append([d1a] + self._continue(state, m1, d1a, k - 1))
+            paths.append([d1a] + self._continue(state, m1, d1a, k - 1, 1))
             chain_c = None
         self.rewind(state, fork1)
-        paths.append([d1b] + self._continue(state, m1, d1b, k - 1))
+        paths.append([d1b] + self._continue(state, m1, d1b, k - 1, 1))
         if chain_c is not None:
             paths.append(chain_c)
         return paths
@@ -226,30 +278,30 @@ class MLXDrafter:
         """Adaptive chain A plus, when it is at least 2 deep, a branch B from
         the runner-up at position 1, continued to the same depth."""
         logits, m1 = self.first_step(state)
-        (d1a, d1b), p = _topk(logits, 2), _top_prob(logits)
+        (d1a, d1b), p = self._ranked(state, logits, 0, 2), _top_prob(logits)
         fork1 = state.offset
         chain, confidence = [d1a], p
         m, d = m1, d1a
         while len(chain) < depth_max and confidence >= tau:
             logits, m = self.step(state, m, d)
-            d, pd = _top1(logits)
+            d, pd = self._top1(state, logits, len(chain))
             chain.append(d)
             confidence *= pd
         if len(chain) < 2:
             return [chain]
         self.rewind(state, fork1)
-        return [chain, [d1b] + self._continue(state, m1, d1b, len(chain) - 1)]
+        return [chain, [d1b] + self._continue(state, m1, d1b, len(chain) - 1, 1)]
 
     def draft_paths(self, state: MTPDraftState, k: int, p: int) -> list[list[int]]:
         """Top-``p`` first tokens, each continued greedily to ``k`` tokens."""
         logits, m1 = self.first_step(state)
-        firsts = _topk(logits, p)
+        firsts = self._ranked(state, logits, 0, p)
         fork1 = state.offset
         paths = []
         for j, first in enumerate(firsts):
             if j:
                 self.rewind(state, fork1)
-            paths.append([first] + self._continue(state, m1, first, k - 1))
+            paths.append([first] + self._continue(state, m1, first, k - 1, 1))
         return paths
 
 
@@ -264,10 +316,3 @@ def _top1(logits: mx.array) -> tuple[int, float]:
 def _top_prob(logits: mx.array) -> float:
     """Softmax probability of the likeliest token."""
     return float(mx.exp(mx.max(logits) - mx.logsumexp(logits)))
-
-
-def _topk(logits: mx.array, k: int) -> list[int]:
-    """The ``k`` likeliest tokens, likeliest first (ties: lower id first)."""
-    k = min(k, logits.shape[-1])
-    order = mx.argsort(-logits)[:k]
-    return order.tolist()

@@ -17,6 +17,7 @@ from mtp_engine.drafters.cpp_head import CppDrafter, build_cpp_head
 from mtp_engine.drafters.mlx_head import MLXDrafter
 from mtp_engine.model.install import decide
 from mtp_engine.options import EngineOptions, FastPathStatus
+from mtp_engine.sampling import GREEDY, SamplingParams
 
 DRAFTERS = ("auto", "mlx", "mlx-eager", "cpp", "cuda")
 """Who may draft (``generate(drafter=...)``); "c++" is taken as "cpp"."""
@@ -87,15 +88,18 @@ def build_drafters(head, embed, lm_head, lm_head_module, prefill_step_size: int,
     return EngineDrafters(mlx=mlx, mlx_eager=eager, cpp=cpp, cuda=cuda, statuses=statuses)
 
 
-def select_drafter(drafters: EngineDrafters, mode: str, choice: str = "auto") -> Drafter:
+def select_drafter(drafters: EngineDrafters, mode: str, choice: str = "auto", sampling: SamplingParams = GREEDY) -> Drafter:
     """The drafter for ``mode``: "auto" (see the module docstring), "mlx",
     "mlx-eager", "cpp" or "cuda" (a ValueError where the engine has none
-    for that mode)."""
+    for that mode). Sampled drafts come from the MLX head (the native
+    drafters draft greedily)."""
     choice = "cpp" if choice == "c++" else choice
     if choice not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))}, got {choice!r}")
-    cpp_ok = drafters.cpp is not None and mode in drafters.cpp.modes
-    cuda_ok = drafters.cuda is not None and mode in drafters.cuda.modes
+    if not sampling.greedy and choice in ("cpp", "cuda"):
+        raise ValueError(f"the {choice} drafter drafts greedily; sampling drafts with the MLX head (drafter='mlx')")
+    cpp_ok = drafters.cpp is not None and mode in drafters.cpp.modes and sampling.greedy
+    cuda_ok = drafters.cuda is not None and mode in drafters.cuda.modes and sampling.greedy
     if choice == "auto":
         if cpp_ok:
             return drafters.cpp

@@ -39,6 +39,7 @@ from mtp_engine.tools.dataset_bench import (
     print_dataset_table,
     run_batched,
 )
+from mtp_engine.tools.loops import find_loop
 from mtp_engine.tools.synthetic import (
     qwen3_next_80b_config,
     random_quantized_checkpoint,
@@ -100,6 +101,7 @@ class ModeTotals:
     compared: int = 0
     peak_memory: int = 0
     outputs: dict = field(default_factory=dict)
+    per_prompt: dict = field(default_factory=dict)  # prompt index -> [tokens, seconds]
 
     @property
     def decode_tps(self) -> float:
@@ -161,24 +163,32 @@ def mlx_lm_generate(engine: MTPEngine, ids: list[int], max_tokens: int) -> list[
 
 
 def run_modes(
-    engine, prompts: list[list[int]], names: list[str], max_tokens: int, rounds: int, log, warmup: bool = True
+    engine, prompts: list[list[int]], names: list[str], max_tokens: int, rounds: int, log, warmup: bool = True,
+    specs: dict | None = None, reference: str = "baseline",
 ) -> dict:
-    totals = {n: ModeTotals(n, MODE_SPECS[n]) for n in names}
+    """Time ``names`` (keys of ``specs``, default `MODE_SPECS`) round-robin
+    over the prompts; compare every output with ``reference``'s. Sampling
+    specs sample prompt ``i`` with seed ``i``."""
+    specs = specs or MODE_SPECS
+    totals = {n: ModeTotals(n, specs[n]) for n in names}
     if warmup:
         # Every path once first (kernel compilation, allocator caches).
         for n in names:
-            _run_one(engine, prompts[0], n, min(max_tokens, 16))
+            _run_one(engine, prompts[0], specs[n], min(max_tokens, 16), 0)
     for r in range(rounds):
         for i, ids in enumerate(prompts):
             order = names[i % len(names):] + names[: i % len(names)]
             for n in order:
                 mx.reset_peak_memory()
                 t = time.perf_counter()
-                result = _run_one(engine, ids, n, max_tokens)
+                result = _run_one(engine, ids, specs[n], max_tokens, i)
                 elapsed = time.perf_counter() - t
                 tot = totals[n]
                 tot.peak_memory = max(tot.peak_memory, mx.get_peak_memory())
                 tot.seconds += elapsed
+                spent = tot.per_prompt.setdefault(i, [0, 0.0])
+                spent[0] += len(result) if n == "mlx_lm" else len(result.tokens)
+                spent[1] += elapsed
                 if n == "mlx_lm":
                     tokens = result
                     tot.tokens += len(tokens)
@@ -188,14 +198,14 @@ def run_modes(
                     tot.tokens += len(tokens)
                     tot.decode_seconds += s.decode_s
                     tot.decode_tokens += max(len(tokens) - 1, 0)
-                    tot.steps += s.steps if n != "baseline" else 0
+                    tot.steps += s.steps if s.draft_tokens else 0
                     tot.accepted += s.accepted
                     tot.draft_s += s.draft_s
                     tot.verify_s += s.verify_s
                 if r == 0:
                     tot.outputs[i] = tokens
         log(f"round {r + 1}/{rounds} done")
-    base = totals.get("baseline")
+    base = totals.get(reference)
     for tot in totals.values():
         for i, tokens in tot.outputs.items():
             if base is not None:
@@ -204,10 +214,31 @@ def run_modes(
     return totals
 
 
-def _run_one(engine, ids, name, max_tokens):
-    if name == "mlx_lm":
+def _run_one(engine, ids, spec, max_tokens, index):
+    if spec is None:
         return mlx_lm_generate(engine, ids, max_tokens)
-    return engine.generate(ids, max_tokens=max_tokens, **MODE_SPECS[name])
+    seed = {"seed": index} if spec.get("temperature") else {}
+    return engine.generate(ids, max_tokens=max_tokens, **spec, **seed)
+
+
+def loop_free(totals: dict, reference: str) -> dict:
+    """Each mode's speedup over ``reference`` on the prompts whose
+    reference output does not end in a repeating loop (`tools.loops`), and
+    how many prompts that is: the figure to report beside every speedup."""
+    base = totals[reference]
+    clean = [i for i, tokens in base.outputs.items() if find_loop(tokens) is None]
+    out = {"prompts": len(base.outputs), "loop_free_prompts": len(clean)}
+    if not clean:
+        return out
+
+    def tps(tot):
+        tokens = sum(tot.per_prompt[i][0] for i in clean)
+        seconds = sum(tot.per_prompt[i][1] for i in clean)
+        return tokens / seconds if seconds else 0.0
+
+    base_tps = tps(base)
+    out["speedup"] = {name: round(tps(tot) / base_tps, 3) for name, tot in totals.items() if base_tps}
+    return out
 
 
 def forward_costs(engine: MTPEngine, context: list[int], widths: list[int], repeats: int = 20) -> dict:
@@ -441,14 +472,20 @@ def read_prompts(engine, path: str, limit: int, context: int | None) -> list[lis
 
 
 def print_table(report: dict, log) -> None:
-    log(f"{'mode':<18}{'tok/s':>9}{'speedup':>9}{'dec tok/s':>10}{'dec x':>7}{'accept':>8}{'ident':>7}{'draft%':>8}{'verify%':>8}{'peakGB':>8}")
+    loops = report.get("loops") or {}
+    if loops:
+        log(f"{loops['prompts'] - loops['loop_free_prompts']} of {loops['prompts']} plain outputs end in a repeating "
+            "loop; 'no-loop x' is the speedup over the other prompts")
+    log(f"{'mode':<18}{'tok/s':>9}{'speedup':>9}{'no-loop x':>10}{'dec tok/s':>10}{'dec x':>7}{'accept':>8}"
+        f"{'ident':>7}{'draft%':>8}{'verify%':>8}{'peakGB':>8}")
     for r in report["results"]:
         al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
         ds = f"{100 * r['draft_share']:.0f}" if r["draft_share"] is not None else "-"
         vs = f"{100 * r['verify_share']:.0f}" if r["verify_share"] is not None else "-"
         dt = f"{r['decode_tokens_per_s']:.1f}" if r["decode_tokens_per_s"] else "-"
         dx = f"{r['decode_speedup']:.2f}" if r["decode_speedup"] else "-"
-        log(f"{r['mode']:<18}{r['tokens_per_s']:>9.1f}{r['speedup'] or 0:>9.2f}{dt:>10}{dx:>7}{al:>8}"
+        lf = f"{r['speedup_loop_free']:.2f}" if r.get("speedup_loop_free") else "-"
+        log(f"{r['mode']:<18}{r['tokens_per_s']:>9.1f}{r['speedup'] or 0:>9.2f}{lf:>10}{dt:>10}{dx:>7}{al:>8}"
             f"{'yes' if r['identical'] else 'NO':>7}{ds:>8}{vs:>8}{r['peak_memory_gb']:>8.2f}")
     cm = report.get("cost_model")
     if cm:
@@ -481,15 +518,20 @@ def main(argv=None) -> int:
     parser.add_argument("--time-budget", type=float, default=None, help="seconds; later contexts are skipped past it")
     parser.add_argument("--json", help="write the report here")
     add_fast_path_option(parser)
-    parser.add_argument("--suite", choices=["single", "dataset"], default="single",
+    parser.add_argument("--suite", choices=["single", "dataset", "sampling"], default="single",
                         help="single: every mode one prompt at a time; dataset: throughput over the prompt set "
-                        "(plain, single-sequence chain, plain batching and batched speculation at each batch size)")
+                        "(plain, single-sequence chain, plain batching and batched speculation at each batch size); "
+                        "sampling: plain sampling against chains under both samplers at each --temperatures")
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0], help="sampling suite")
+    parser.add_argument("--sampling-k", type=int, nargs="+", default=[2, 3, 4], help="sampling suite: chain K")
     parser.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3, 4],
                         help="dataset suite: K of batched speculation")
     parser.add_argument("--single-k", type=int, default=4, help="dataset suite: K of the single-sequence chain")
     parser.add_argument("--acceptance-profile", default=None,
                         help="dataset suite: project drafts at this cumulative profile, e.g. 0.93,0.82,0.64 "
                         "(random-weight models)")
+    parser.add_argument("--loop-free", action="store_true",
+                        help="dataset suite: time only the prompts whose plain output does not end in a loop")
     parser.add_argument("--mlx-lm-batch", action=argparse.BooleanOptionalAction, default=True,
                         help="dataset suite: also time mlx-lm's BatchGenerator")
     args = parser.parse_args(argv)
@@ -527,6 +569,9 @@ def main(argv=None) -> int:
             prompts = read_prompts(engine, args.prompts, args.limit, context)
             run = dataset_suite(engine, prompts, args, log)
             print_dataset_table(run, log)
+        elif args.suite == "sampling":
+            run = sampling_suite(engine, read_prompts(engine, args.prompts, args.limit, context), args, log)
+            print_sampling_table(run, log)
         else:
             run = suite(engine, args, context, log, first=i == 0)
             print_table(run, log)
@@ -548,6 +593,55 @@ def _flat(report: dict) -> dict:
 LONG_CONTEXT_MODES = ("baseline", "chain-k3", "tree-k3")
 
 
+def sampling_specs(temperature: float, ks: list[int]) -> dict:
+    """Plain sampling and chains under both samplers at one temperature."""
+    specs = {f"plain T={temperature}": dict(mode="baseline", temperature=temperature)}
+    for sampler in ("exact", "rejection"):
+        for k in ks:
+            specs[f"{sampler} K={k} T={temperature}"] = dict(mode="chain", draft_tokens=k, temperature=temperature,
+                                                             sampler=sampler)
+    return specs
+
+
+def sampling_suite(engine, prompts: list[list[int]], args, log) -> dict:
+    """Sampled decoding side by side: at each temperature, plain sampling
+    and chains under the exact and rejection samplers (prompt ``i`` samples
+    with seed ``i`` in every mode). The exact sampler's tokens must equal
+    plain sampling's; the rejection sampler's differ (lossless in
+    distribution only)."""
+    rows, loops = [], {}
+    for n, temperature in enumerate(args.temperatures):
+        specs = sampling_specs(temperature, args.sampling_k)
+        plain = next(iter(specs))
+        log(f"sampling at T={temperature}: {len(prompts)} prompts x {args.max_tokens} tokens")
+        totals = run_modes(engine, prompts, list(specs), args.max_tokens, args.rounds, log, warmup=n == 0,
+                           specs=specs, reference=plain)
+        free = loop_free(totals, plain)
+        loops[str(temperature)] = {k: v for k, v in free.items() if k != "speedup"}
+        for name, tot in totals.items():
+            row = tot.row(totals[plain])
+            spec = specs[name]
+            row.update(temperature=temperature, sampler=spec.get("sampler", "plain"),
+                       draft_tokens=spec.get("draft_tokens", 0), speedup_loop_free=free.get("speedup", {}).get(name))
+            if row["sampler"] == "rejection":
+                row["identical"] = None  # equal in distribution, not token for token
+            rows.append(row)
+    return {"settings": {"prompts": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds,
+                         "temperatures": args.temperatures}, "loops": loops, "results": rows}
+
+
+def print_sampling_table(report: dict, log) -> None:
+    for t, loops in report["loops"].items():
+        log(f"T={t}: {loops['prompts'] - loops['loop_free_prompts']} of {loops['prompts']} plain samples end in a "
+            "repeating loop")
+    log(f"{'mode':<22}{'tok/s':>9}{'speedup':>9}{'no-loop x':>10}{'accept':>8}{'same tokens':>12}")
+    for r in report["results"]:
+        al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
+        lf = f"{r['speedup_loop_free']:.2f}" if r.get("speedup_loop_free") else "-"
+        same = "n/a" if r["identical"] is None else ("yes" if r["identical"] else "NO")
+        log(f"{r['mode']:<22}{r['tokens_per_s']:>9.1f}{r['speedup'] or 0:>9.2f}{lf:>10}{al:>8}{same:>12}")
+
+
 def suite(engine, args, context: int | None, log, first: bool = True) -> dict:
     """One side-by-side run at one context length. After the first context,
     only `LONG_CONTEXT_MODES`, one prompt, no batch throughput (each run
@@ -558,11 +652,17 @@ def suite(engine, args, context: int | None, log, first: bool = True) -> dict:
     log(f"context {context or 'prompt only'}: {len(prompts)} prompts x {args.max_tokens} tokens")
     totals = run_modes(engine, prompts, modes, args.max_tokens, args.rounds, log, warmup=first)
     rows = [t.row(totals.get("baseline")) for t in totals.values()]
+    if "baseline" in totals:
+        free = loop_free(totals, "baseline")
+        for row in rows:
+            row["speedup_loop_free"] = free.get("speedup", {}).get(row["mode"])
     # Every verify width a timed chain mode feeds (K + 1), and at least 1..8.
     depths = [MODE_SPECS[m]["draft_tokens"] for m in modes if MODE_SPECS[m] and "draft_tokens" in MODE_SPECS[m]]
     costs = forward_costs(engine, prompts[0], list(range(1, max([7, *depths]) + 2)))
     report = {
         "settings": {"prompts": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds, "context": context},
+        "loops": {k: v for k, v in loop_free(totals, "baseline").items() if k != "speedup"} if "baseline" in totals
+        else None,
         "results": rows,
         "cost_model": cost_model(costs, rows, totals),
     }

@@ -31,6 +31,7 @@ from mtp_engine.cache.batch import append_row, commit_rows, make_batch_cache
 from mtp_engine.cache.capture import StateCaptureCache, make_main_cache
 from mtp_engine.projection import ProjectedDrafts, parse_profile
 from mtp_engine.stopping import Finisher
+from mtp_engine.tools.loops import find_loop
 
 
 @dataclass
@@ -157,7 +158,7 @@ def step_costs(engine, prompts, batch_size: int, ks: list[int], repeats: int = 1
     rows = [prompts[i % len(prompts)] for i in range(batch_size)]
     for n, ids in enumerate(rows):
         c = make_main_cache(model)
-        engine._prefill(ids, c, keep_hidden=False)
+        engine.prefill(ids, c, keep_hidden=False)
         append_row(caches, c, n)
     out = {}
     for k in [0, *ks]:
@@ -196,6 +197,18 @@ def dataset_suite(engine, prompts, args, log) -> dict:
     run_single(engine, few[:1], 4, args.single_k)
 
     plain = run_single(engine, prompts, args.max_tokens, 0)
+    looping = sum(find_loop(o) is not None for o in plain.outputs)
+    loops = {"prompts": len(prompts), "ending_in_a_loop": looping, "timed": "all prompts"}
+    log(f"  {looping} of {len(prompts)} plain outputs end in a repeating loop")
+    if getattr(args, "loop_free", False):
+        # Time only the prompts whose plain output does not loop (a loop is
+        # where the head is always right).
+        prompts = [p for p, o in zip(prompts, plain.outputs) if find_loop(o) is None]
+        if not prompts:
+            raise SystemExit("--loop-free: every plain output loops; use more prompts or tokens")
+        loops["timed"] = f"the {len(prompts)} loop-free prompts"
+        log(f"  timing the {len(prompts)} loop-free prompts only")
+        plain = run_single(engine, prompts, args.max_tokens, 0)
     references = plain.outputs if profile else None
     parsed = parse_profile(profile) if profile else None
     runs = [plain, run_single(engine, prompts, args.max_tokens, args.single_k, references, parsed)]
@@ -215,7 +228,7 @@ def dataset_suite(engine, prompts, args, log) -> dict:
         r.identical = sum(a == b for a, b in zip(r.outputs, plain.outputs))
     rows = [r.row(plain, profile) for r in runs]
     return {"settings": {"prompts": len(prompts), "max_tokens": args.max_tokens, "context": args.context,
-                         "acceptance_profile": profile}, "dataset_runs": rows,
+                         "acceptance_profile": profile}, "loops": loops, "dataset_runs": rows,
             "batched_cost_model": batched_cost_model(costs, rows)}
 
 

@@ -34,8 +34,8 @@ def test_unknown_config_key_and_missing_settings(tmp_path):
     from jobs.config import ConfigError
 
     path = tmp_path / "job.json"
-    path.write_text(json.dumps({"dataset": "d", "model": "m", "output": "o", "temperature": 0.7}))
-    with pytest.raises(ConfigError, match="unknown key 'temperature'"):
+    path.write_text(json.dumps({"dataset": "d", "model": "m", "output": "o", "temprature": 0.7}))
+    with pytest.raises(ConfigError, match="unknown key 'temprature'"):
         parse(["generate", "--config", str(path)])
     with pytest.raises(ConfigError, match="missing required setting.*model"):
         parse(["generate", "--dataset", "d", "--output", "o"])

@@ -221,14 +221,14 @@ class FlakyEngine(MTPEngine):
         super().__init__(checkpoint)
         self.calls: dict[str, int] = {}
 
-    def generate(self, prompt, **kwargs):
+    def generate_samples(self, prompt, **kwargs):
         text = self.tokenizer.decode(prompt)
         for marker in ("flaky", "broken"):
             if marker in text:
                 self.calls[marker] = self.calls.get(marker, 0) + 1
                 if marker == "broken" or self.calls[marker] == 1:
                     raise RuntimeError(f"simulated failure on {marker}")
-        return super().generate(prompt, **kwargs)
+        return super().generate_samples(prompt, **kwargs)
 
 
 def test_failed_generation_is_retried_once_then_becomes_an_error_row(tmp_path, job_model):

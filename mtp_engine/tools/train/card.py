@@ -9,6 +9,7 @@ from pathlib import Path
 import orjson
 
 from mtp_engine import MTPEngine
+from mtp_engine.tools.loops import find_loop, loop_start
 
 MEASURED_MODES = (
     [("baseline", {})]
@@ -20,30 +21,6 @@ MEASURED_MODES = (
         ("paths K=3 P=3", dict(mode="paths", draft_tokens=3, paths=3)),
     ]
 )
-
-
-def find_loop(tokens: list[int], max_period: int = 24, repeats: int = 3) -> int | None:
-    """Period of a repetition the output ends in (the last ``repeats`` periods
-    identical, at least 24 tokens), else None."""
-    for period in range(1, max_period + 1):
-        span = max(period * repeats, 24)
-        if len(tokens) < span:
-            break
-        tail = tokens[-span:]
-        if all(tail[i] == tail[i - period] for i in range(period, span)):
-            return period
-    return None
-
-
-def loop_start(tokens: list[int]) -> int:
-    """Index where the output's final repeating loop begins (len if none)."""
-    period = find_loop(tokens)
-    if period is None:
-        return len(tokens)
-    start = len(tokens) - period
-    while start > 0 and tokens[start - 1] == tokens[start - 1 + period]:
-        start -= 1
-    return start
 
 
 def read_prompts(path: Path, limit: int | None) -> list[dict]:

@@ -1,0 +1,217 @@
+"""OpenAI batch files in and out.
+
+In: a JSONL line ``{"custom_id", "method", "url", "body": {...}}`` of the
+OpenAI Batch API is read as a row (`request_row`): ``custom_id`` is its id;
+the body's ``messages`` (``/v1/chat/completions``) or ``prompt``
+(``/v1/completions``), ``max_completion_tokens`` or ``max_tokens``,
+``temperature``, ``top_p``, ``n``, ``seed`` and ``stop`` become the row's
+fields (``top_k`` and ``min_p`` too, as vLLM accepts them). Fields the job
+cannot honour are named once in the job's log (`UnknownFields`), never
+dropped silently; ``model`` is ignored (the job's model writes every row).
+Body fields a line leaves out take the job's settings (not OpenAI's
+defaults: ``--temperature`` decides).
+
+Out: ``python -m jobs export DIR --format openai-batch --output FILE``
+writes one line per prompt whose completions are all committed, in the
+Batch API's output format (`export`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import orjson
+import pyarrow as pa
+
+from jobs.output import MANIFEST, OutputError, check_shard, read_all_ledgers
+
+CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "n", "stop")
+IGNORED_FIELDS = {"model": "the job's model writes every row"}
+
+
+def is_request(data: dict | None) -> bool:
+    """Whether a row is a line of an OpenAI batch file."""
+    return isinstance(data, dict) and "custom_id" in data and "body" in data
+
+
+class UnknownFields:
+    """Body fields that were not honoured, each reported once."""
+
+    def __init__(self, log=None):
+        self.log = log
+        self.seen: set[str] = set()
+
+    def report(self, names: list[str]) -> None:
+        for name in names:
+            if name in self.seen:
+                continue
+            self.seen.add(name)
+            why = IGNORED_FIELDS.get(name, "this runner does not support it")
+            if self.log is not None:
+                self.log(f"note: OpenAI batch body field {name!r} is ignored ({why}); reported once")
+
+
+def request_row(data: dict, id_field: str, prompt_field: str, messages_field: str) -> tuple[dict, list[str]]:
+    """An OpenAI batch request line as a row of this runner, and the body
+    fields it leaves unused.
+
+    Raises:
+        ValueError: The line is not a usable request (the message says why).
+    """
+    method = data.get("method", "POST")
+    if method != "POST":
+        raise ValueError(f"method must be 'POST', got {method!r}")
+    body = data["body"]
+    if not isinstance(body, dict):
+        raise ValueError(f"body must be an object, got {type(body).__name__}")
+    url = data.get("url") or (CHAT_URL if "messages" in body else COMPLETIONS_URL)
+    if url not in (CHAT_URL, COMPLETIONS_URL):
+        raise ValueError(f"url {url!r} is not supported; use {CHAT_URL} or {COMPLETIONS_URL}")
+    row: dict = {id_field: data["custom_id"]}
+    if url == CHAT_URL:
+        if "messages" not in body:
+            raise ValueError(f"a {CHAT_URL} body needs 'messages'")
+        row[messages_field] = [_text_message(i, m) for i, m in enumerate(_list(body["messages"], "messages"))]
+    else:
+        if "prompt" not in body:
+            raise ValueError(f"a {COMPLETIONS_URL} body needs 'prompt'")
+        row[prompt_field] = body["prompt"]
+    if body.get("max_completion_tokens") is not None:
+        row["max_tokens"] = body["max_completion_tokens"]
+    elif body.get("max_tokens") is not None:
+        row["max_tokens"] = body["max_tokens"]
+    for name in SAMPLING_FIELDS:
+        if body.get(name) is not None:
+            row[name] = body[name]
+    used = {"messages", "prompt", "max_tokens", "max_completion_tokens", *SAMPLING_FIELDS}
+    unknown = sorted(k for k in body if k not in used and body[k] is not None)
+    return row, unknown
+
+
+def _list(value, name: str) -> list:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{name!r} must be a non-empty list")
+    return value
+
+
+def _text_message(i: int, m) -> dict:
+    """A chat message with string content (OpenAI's list of text parts is
+    joined; other parts are refused)."""
+    if not isinstance(m, dict):
+        raise ValueError(f"message {i} must be an object")
+    content = m.get("content")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"message {i} has a {kind!r} content part; only text is supported")
+            parts.append(part["text"])
+        content = "".join(parts)
+    return {**m, "content": content}
+
+
+# -- export -------------------------------------------------------------------
+
+
+def _committed_rows(folder: Path) -> tuple[dict, list[dict]]:
+    """The manifest and every committed row of an intact job folder."""
+    try:
+        manifest = orjson.loads((folder / MANIFEST).read_bytes())
+    except FileNotFoundError:
+        raise OutputError(f"{folder} is not a job output folder (no {MANIFEST})") from None
+    except orjson.JSONDecodeError as e:
+        raise OutputError(f"{folder / MANIFEST} is corrupt ({e}); resume the job once to rebuild it") from None
+    rows = []
+    for entry in read_all_ledgers(folder):
+        problem = check_shard(folder, entry, checksum=True)
+        if problem is not None:
+            raise OutputError(f"shard {entry.shard} is damaged ({problem}); resume the job once (it redoes "
+                              "those rows), then export again")
+        rows += pa.ipc.open_stream(str(folder / entry.shard)).read_all().to_pylist()
+    return manifest, rows
+
+
+def export(folder: Path, output: Path) -> tuple[int, int]:
+    """Write a job folder's completions as an OpenAI batch output file.
+
+    One line per prompt id, its completions as ``choices`` (``index`` is the
+    sample), written only when all of them are committed; a prompt with an
+    error row is written as an error line. Returns (lines written, prompts
+    left out because some completions are not committed yet).
+    """
+    manifest, rows = _committed_rows(folder)
+    model = manifest.get("model", {}).get("name", "")
+    n_job = manifest.get("config", {}).get("n", 1)
+    by_id: dict[str, list[dict]] = {}
+    for row in rows:
+        by_id.setdefault(row["id"], []).append(row)
+    lines, incomplete = [], 0
+    for rid, group in sorted(by_id.items(), key=lambda kv: min(r["index"] or 0 for r in kv[1])):
+        group.sort(key=lambda r: r.get("sample") or 0)
+        errors = [r for r in group if r["finish_reason"] == "error"]
+        if errors:
+            kind, _, message = (errors[0]["error"] or "error: ").partition(": ")
+            lines.append({"id": _request_id(rid), "custom_id": rid, "response": None,
+                          "error": {"code": kind, "message": message}})
+            continue
+        if len(group) < (group[0].get("n") or n_job):
+            incomplete += 1
+            continue
+        lines.append(_response_line(rid, group, model))
+    tmp = output.with_name(f".tmp-{output.name}")
+    with open(tmp, "wb") as f:
+        for line in lines:
+            f.write(orjson.dumps(line) + b"\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, output)
+    return len(lines), incomplete
+
+
+def _request_id(rid: str) -> str:
+    return "batch_req_" + hashlib.sha256(rid.encode()).hexdigest()[:24]
+
+
+def _response_line(rid: str, group: list[dict], model: str) -> dict:
+    chat = bool(group[0].get("chat"))
+    choices = []
+    for r in group:
+        choice = {"index": r.get("sample") or 0, "finish_reason": r["finish_reason"]}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": r["completion"]}
+        else:
+            choice["text"] = r["completion"]
+        choice["logprobs"] = None
+        choices.append(choice)
+    prompt_tokens = group[0]["prompt_tokens"] or 0
+    completion_tokens = sum(r["completion_tokens"] or 0 for r in group)
+    body = {
+        "id": ("chatcmpl-" if chat else "cmpl-") + hashlib.sha256(rid.encode()).hexdigest()[:24],
+        "object": "chat.completion" if chat else "text_completion",
+        "model": model,
+        "choices": choices,
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }
+    return {"id": _request_id(rid), "custom_id": rid,
+            "response": {"status_code": 200, "request_id": _request_id(rid), "body": body}, "error": None}
+
+
+def export_folder(folder: Path, output: Path, fmt: str) -> int:
+    """CLI wrapper: prints the result; returns an exit status."""
+    if fmt != "openai-batch":
+        print(f"error: unknown export format {fmt!r}; supported: openai-batch", file=sys.stderr)
+        return 2
+    try:
+        written, incomplete = export(folder, output)
+    except (OutputError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    note = f"; {incomplete} prompts left out until all their completions are committed" if incomplete else ""
+    print(f"exported {written} requests -> {output}{note}", file=sys.stderr)
+    return 0

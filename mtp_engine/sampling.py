@@ -1,0 +1,208 @@
+"""Sampling that speculation keeps exact.
+
+Filters (top-p, min-p, top-k, in mlx-lm's order, with mlx-lm's own
+functions where they fit) shape the log-probabilities; the temperature
+scales them. Two samplers:
+
+- **exact** (the default): the token at generated position ``t`` is the
+  Gumbel-max choice ``argmax(filtered_logprobs / T + g_t)``, with noise
+  ``g_t`` drawn from a counter-based hash of ``(seed, t)`` only. That is a
+  sample of ``softmax(filtered_logprobs / T)``. Drafts use the same noise at
+  the same position on the head's log-probabilities; a draft is accepted
+  when it equals the target's choice. Every mode, batch size and batch
+  composition then emits exactly the tokens plain sampling emits with that
+  seed (up to numerical near-ties, as in greedy decoding).
+- **rejection**: standard speculative sampling. Drafts are sampled from the
+  head's filtered distribution ``q``; draft ``d`` is accepted with
+  probability ``min(1, p(d) / q(d))``; the first rejection samples from
+  ``norm(max(0, p - q))``; a bonus token comes from ``p`` when every draft
+  is accepted. Lossless in distribution (the tokens depend on K and the
+  drafts, not only on the seed).
+
+The noise is a pure function of (seed, position, vocabulary index, stream):
+integer hashing in MLX ops, identical on every backend, batch shape and rank.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+SAMPLERS = ("exact", "rejection")
+
+# Streams of independent noise drawn from one seed.
+TARGET, DRAFT, ACCEPT, RESIDUAL = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one completion samples.
+
+    Attributes:
+        temperature: 0 is greedy decoding (the other fields are ignored).
+        top_p: Nucleus filter, in (0, 1]; 1 keeps everything.
+        top_k: Keep the k likeliest tokens; 0 keeps everything.
+        min_p: Drop tokens under ``min_p`` times the likeliest's probability.
+        seed: The completion's seed (any integer in 0..2**63-1).
+        sampler: "exact" or "rejection" (see the module docstring).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    sampler: str = "exact"
+
+    def __post_init__(self):
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be an int in 0..2**63-1, got {self.seed!r}")
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def filter_key(self) -> tuple:
+        """What the filters depend on (rows sharing it filter together)."""
+        return (self.top_p, self.top_k, self.min_p)
+
+
+GREEDY = SamplingParams()
+
+
+def make_sampling(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                  seed: int | None = None, sampler: str = "exact") -> SamplingParams:
+    """Validated `SamplingParams`; an unset seed becomes a fresh random one
+    (each completion its own, never a shared stream)."""
+    if seed is None:
+        seed = secrets.randbits(63)
+    return SamplingParams(temperature, top_p, top_k, min_p, seed, sampler)
+
+
+def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
+    """Log-probabilities over the last axis with filtered tokens at -inf:
+    top-p, min-p, then top-k, as mlx-lm's ``make_sampler`` applies them."""
+    logprobs = logits.astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    if params.top_p < 1:
+        logprobs = apply_top_p(logprobs, params.top_p)
+    if params.min_p > 0:
+        logprobs = apply_min_p(logprobs, params.min_p)
+    if 0 < params.top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, params.top_k)
+    return logprobs
+
+
+def _mix(x: mx.array) -> mx.array:
+    """A 32-bit integer hash with full avalanche (lowbias32)."""
+    x = x ^ (x >> 16)
+    x = x * mx.array(0x7FEB352D, dtype=mx.uint32)
+    x = x ^ (x >> 15)
+    x = x * mx.array(0x846CA68B, dtype=mx.uint32)
+    return x ^ (x >> 16)
+
+
+def uniforms(seeds: list[int], positions: mx.array, size: int, stream: int = TARGET) -> mx.array:
+    """Uniforms in (0, 1), ``[R, T, size]``: a pure function of each row's
+    seed, the positions ``[R, T]`` (int), the index along the last axis and
+    the stream."""
+    lo = mx.array([s & 0xFFFFFFFF for s in seeds], dtype=mx.uint32)
+    hi = mx.array([s >> 32 for s in seeds], dtype=mx.uint32)
+    key = _mix(lo ^ _mix(hi ^ _mix(mx.array(stream + 0x632BE5AB, dtype=mx.uint32))))  # [R]
+    at = _mix(key[:, None] ^ _mix(positions.astype(mx.uint32) * mx.array(0x9E3779B9, dtype=mx.uint32)))  # [R, T]
+    index = mx.arange(size, dtype=mx.uint32) * mx.array(0x85EBCA6B, dtype=mx.uint32)
+    bits = _mix(at[..., None] ^ index)  # [R, T, size]
+    return ((bits >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def gumbel(seeds: list[int], positions: mx.array, size: int, stream: int = TARGET) -> mx.array:
+    """Standard Gumbel noise ``-log(-log(U))`` of `uniforms`."""
+    return -mx.log(-mx.log(uniforms(seeds, positions, size, stream)))
+
+
+def _rows_by_filter(params: list[SamplingParams]) -> list[tuple[SamplingParams, list[int]]]:
+    groups: dict[tuple, list[int]] = {}
+    first: dict[tuple, SamplingParams] = {}
+    for r, p in enumerate(params):
+        groups.setdefault(p.filter_key(), []).append(r)
+        first.setdefault(p.filter_key(), p)
+    return [(first[k], rows) for k, rows in groups.items()]
+
+
+def scaled_logprobs(logits: mx.array, params: list[SamplingParams]) -> mx.array:
+    """``filtered_logprobs / T`` for each row (axis 0) of ``[R, T, V]``
+    logits, each row with its own parameters."""
+    groups = _rows_by_filter(params)
+    if len(groups) == 1:
+        filtered = filtered_logprobs(logits, groups[0][0])
+    else:
+        parts = [None] * len(params)
+        for p, rows in groups:
+            out = filtered_logprobs(logits[mx.array(rows)], p)
+            for i, r in enumerate(rows):
+                parts[r] = out[i : i + 1]
+        filtered = mx.concatenate(parts, axis=0)
+    temperature = mx.array([max(p.temperature, 1e-9) for p in params], dtype=mx.float32)
+    return filtered / temperature.reshape(-1, *([1] * (logits.ndim - 1)))
+
+
+def choose(logits: mx.array, params: list[SamplingParams], positions: mx.array, stream: int = TARGET) -> mx.array:
+    """The token of each row at each position, ``[R, T]`` int32, for
+    ``[R, T, V]`` logits: greedy rows take the argmax of the
+    log-probabilities (as mlx-lm's ``generate_step``), sampling rows the
+    Gumbel-max choice at their seed and positions."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+    if all(p.greedy for p in params):
+        return greedy
+    noise = gumbel([p.seed for p in params], positions, logits.shape[-1], stream)
+    sampled = mx.argmax(scaled_logprobs(logits, params) + noise, axis=-1).astype(mx.int32)
+    if all(not p.greedy for p in params):
+        return sampled
+    is_greedy = mx.array([p.greedy for p in params])[:, None]
+    return mx.where(is_greedy, greedy, sampled)
+
+
+def ranked(logits: mx.array, params: SamplingParams, position: int, k: int) -> list[int]:
+    """The ``k`` best choices at one position of one row's ``[V]`` logits
+    (greedy: likeliest first; sampling: by perturbed score), for drafting
+    trees under the exact sampler."""
+    if params.greedy:
+        return mx.argsort(-logits)[:k].tolist()
+    score = scaled_logprobs(logits[None, None], [params])[0, 0] + gumbel(
+        [params.seed], mx.array([[position]]), logits.shape[-1])[0, 0]
+    return mx.argsort(-score)[:k].tolist()
+
+
+def draft_choice(logits: mx.array, params: list[SamplingParams], positions: mx.array) -> tuple[mx.array, mx.array | None]:
+    """Each row's draft from the head's ``[R, T, V]`` logits at generated
+    ``positions`` ``[R, T]``: greedy rows the argmax, exact-sampler rows the
+    targets' choice (their noise), rejection-sampler rows a sample of the
+    head's filtered distribution (independent noise). Returns the drafts
+    ``[R, T]`` and, when any row uses the rejection sampler, every row's
+    scaled log-probabilities ``[R, T, V]`` (what acceptance compares)."""
+    rejecting = [p.sampler == "rejection" and not p.greedy for p in params]
+    if not any(rejecting):
+        return choose(logits, params, positions), None
+    scaled = scaled_logprobs(logits, params)
+    seeds = [p.seed for p in params]
+    sampled = mx.argmax(scaled + gumbel(seeds, positions, logits.shape[-1], DRAFT), axis=-1).astype(mx.int32)
+    if all(rejecting):
+        return sampled, scaled
+    others = choose(logits, params, positions)
+    return mx.where(mx.array(rejecting)[:, None], sampled, others), scaled
