@@ -13,12 +13,14 @@
 #   bash benchmarks/h200.sh lossless   # shipped model, bf16, every mode vs mlx-lm greedy -> h200-lossless.json
 #   bash benchmarks/h200.sh 80b        # Qwen3-Next-80B-A3B shapes, random 4-bit weights, 1K context, drafts projected
 #                                      # at profile 0.93,0.82,0.64 -> h200-80b.json
+#   bash benchmarks/h200.sh qwen3.5-27b       # Qwen3.5-27B (dense) shapes, random 4-bit weights, 1K context, drafts
+#   bash benchmarks/h200.sh qwen3.5-35b-a3b   # projected at profile 0.93,0.82,0.64 -> h200-qwen3.5-*.json (one call each)
 set -u
 out=${OUT:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH=/root/site:$PWD
 bench="python3 -u -m mtp_engine.bench"
-case "${1:?tests, shipped, dataset, sampling, lossless or 80b}" in
+case "${1:?tests, shipped, dataset, sampling, lossless, 80b, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
     timeout "${LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
       tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/test_batched.py tests/mtp_engine/test_sampling.py \
@@ -43,5 +45,9 @@ case "${1:?tests, shipped, dataset, sampling, lossless or 80b}" in
     timeout "${LIMIT:-540}" $bench --synthetic 80b --suite dataset --acceptance-profile 0.93,0.82,0.64 \
       --limit 8 --max-tokens 32 --contexts 1024 --batch-sizes 8 16 --draft-tokens 2 3 --single-k 3 \
       --no-mlx-lm-batch --json "$out/h200-80b.json" 2>&1 | grep -v "^round" ;;
+  qwen3.5-27b|qwen3.5-35b-a3b)
+    timeout "${LIMIT:-560}" $bench --synthetic "$1" --suite dataset --acceptance-profile 0.93,0.82,0.64 \
+      --limit 16 --max-tokens 48 --contexts 1024 --batch-sizes 8 16 --draft-tokens 2 3 --single-k 3 \
+      --no-mlx-lm-batch --json "$out/h200-$1.json" 2>&1 | grep -v "^round" ;;
   *) echo "unknown suite $1" >&2; exit 2 ;;
 esac

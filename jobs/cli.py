@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--config", help="YAML or JSON file with any of the settings below (flags override it)")
     g.add_argument("--dataset", help="prompt file (.jsonl .json .csv .parquet .arrow), glob, or save_to_disk folder")
-    g.add_argument("--model", help="Qwen3-Next checkpoint folder with its MTP head")
+    g.add_argument("--model", help="Qwen3-Next or Qwen3.5 checkpoint folder with its MTP head")
     g.add_argument("--output", help="output folder (created; resumed if it holds this job)")
     g.add_argument("--mode", choices=JOB_MODES, help="decoding mode; chain and baseline decode --batch-size rows at "
                    "once (batched speculation / plain batching); 'batch' = baseline (older name); 'auto' = the mode, "

@@ -1,4 +1,4 @@
-"""Lossless MTP speculative decoding for Qwen3-Next checkpoints on MLX.
+"""Lossless MTP speculative decoding for Qwen3-Next and Qwen3.5 checkpoints on MLX.
 
 The engine loads a checkpoint once (trunk via mlx-lm, MTP head by us) and
 decodes prompts; it knows nothing about the files of jobs.

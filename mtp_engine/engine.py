@@ -30,6 +30,7 @@ from mtp_engine.drafters.select import (
     select_drafter,
 )
 from mtp_engine.kernels import cpu_blas
+from mtp_engine.model.family import language_model, lm_head_module
 from mtp_engine.model.loader import LoadedCheckpoint, load_checkpoint
 from mtp_engine.modes import DecodeConfig
 from mtp_engine.options import (
@@ -50,7 +51,7 @@ class PromptTooLongError(ValueError):
 
 
 class MTPEngine:
-    """Loads a Qwen3-Next checkpoint with its MTP head once; decodes prompts
+    """Loads a Qwen3-Next or Qwen3.5 checkpoint with its MTP head once; decodes prompts
     with lossless greedy speculative decoding.
 
     Args:
@@ -71,10 +72,11 @@ class MTPEngine:
         self.config = checkpoint.config
         self.prefill_step_size = prefill_step_size
         apply_process_settings(self.options)
-        trunk = self.model.model
-        lm_head_module = trunk.embed_tokens if self.model.args.tie_word_embeddings else self.model.lm_head
+        # The text model: the trunk itself (Qwen3-Next) or its language model (Qwen3.5).
+        self.text = language_model(self.model)
         self.drafters: EngineDrafters = build_drafters(
-            checkpoint.head, trunk.embed_tokens, self.lm_head, lm_head_module, prefill_step_size, self.options
+            checkpoint.head, self.text.model.embed_tokens, self.lm_head, lm_head_module(self.model),
+            prefill_step_size, self.options
         )
         self.fast_paths: list[FastPathStatus] = [self._blas_status(), *checkpoint.fast_paths,
                                                  *self.drafters.statuses, self._attention_status()]
@@ -128,9 +130,9 @@ class MTPEngine:
     # -- model plumbing ------------------------------------------------------
 
     def lm_head(self, hidden: mx.array) -> mx.array:
-        if self.model.args.tie_word_embeddings:
-            return self.model.model.embed_tokens.as_linear(hidden)
-        return self.model.lm_head(hidden)
+        if self.text.args.tie_word_embeddings:
+            return self.text.model.embed_tokens.as_linear(hidden)
+        return self.text.lm_head(hidden)
 
     @property
     def eos_token_ids(self) -> set[int]:
@@ -152,7 +154,7 @@ class MTPEngine:
             raise TypeError("prompt must be a string or a list of token ids (ints)")
         if not prompt:
             raise ValueError("prompt is empty")
-        vocab = self.model.args.vocab_size
+        vocab = self.text.args.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")

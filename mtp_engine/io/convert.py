@@ -25,6 +25,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from mtp_engine.io.weights import MTP_FILE, MTP_LAYOUT_KEY, files_with_prefix
+from mtp_engine.model.family import text_config
 from mtp_engine.model.loader import CheckpointError, load_mtp_head, read_config
 
 # Config keys that fix the head's shapes and meaning; a graft must agree on all.
@@ -41,6 +42,7 @@ MATCH_KEYS = (
     "rms_norm_eps",
     "rope_theta",
     "partial_rotary_factor",
+    "rope_parameters",
     "num_hidden_layers",
     "mtp_num_hidden_layers",
 )
@@ -48,16 +50,25 @@ DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 
 
 def check_head_matches(hf_config: dict, mlx_config: dict, hf_dir: Path, mlx_dir: Path) -> None:
-    """Refuse a head whose model differs from the trunk's."""
+    """Refuse a head whose model differs from the trunk's (the text
+    model's keys: a Qwen3.5 config holds them in ``text_config``)."""
+    hf_text, mlx_text = text_config(hf_config), text_config(mlx_config)
     mismatches = [
-        f"{k}: {hf_config.get(k)!r} in {hf_dir} vs {mlx_config.get(k)!r} in {mlx_dir}"
-        for k in ("model_type",) + MATCH_KEYS
-        if hf_config.get(k) != mlx_config.get(k)
+        f"{k}: {a.get(k)!r} in {hf_dir} vs {b.get(k)!r} in {mlx_dir}"
+        for k, a, b in [("model_type", hf_config, mlx_config)] + [(k, hf_text, mlx_text) for k in MATCH_KEYS]
+        if _comparable(a.get(k)) != _comparable(b.get(k))
     ]
     if mismatches:
         raise CheckpointError(
             "the MTP head comes from a different model than the trunk:\n  " + "\n  ".join(mismatches)
         )
+
+
+def _comparable(value):
+    # mlx-lm saves Qwen3.5's rope_parameters with "rope_type" renamed "type".
+    if isinstance(value, dict) and "rope_type" in value:
+        value = {("type" if k == "rope_type" else k): v for k, v in value.items()}
+    return value
 
 
 def head_tensors(hf_dir: Path, config: dict, *, bits: int | None, group_size: int, dtype) -> dict[str, mx.array]:
@@ -106,7 +117,8 @@ def graft(hf_dir: Path, mlx_dir: Path, *, mtp_bits: int | None, group_size: int,
     shards = files_with_prefix(hf_dir, "mtp.")
     if not shards:
         raise CheckpointError(f"{hf_dir} has no 'mtp.*' tensors to graft")
-    target = DTYPES[dtype or hf_config.get("torch_dtype", "bfloat16")]
+    hf_text = text_config(hf_config)
+    target = DTYPES[dtype or hf_text.get("torch_dtype") or hf_text.get("dtype") or "bfloat16"]
     tensors = head_tensors(hf_dir, hf_config, bits=mtp_bits, group_size=group_size, dtype=target)
     path = write_head(mlx_dir, tensors, bits=mtp_bits, group_size=group_size, source=hf_dir)
     names = ", ".join(sorted(p.name for p in shards))

@@ -1,4 +1,4 @@
-"""Write a Qwen3-Next checkpoint folder in the Hugging Face Hub layout.
+"""Write a Qwen3-Next or Qwen3.5 checkpoint folder in the Hugging Face Hub layout.
 
 Used by the tiny-checkpoint factory (tests, benchmarks) and by the training
 script that makes the shipped model. The folder loads with ``mlx_lm.load``
@@ -21,6 +21,7 @@ from mtp_engine.io.weights import (
     mlx_to_hub,
     save_sharded,
 )
+from mtp_engine.model.family import is_qwen3_5, text_config
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
@@ -99,6 +100,49 @@ def module_weights(module: nn.Module, prefix: str = "") -> dict[str, mx.array]:
     return {prefix + k: v for k, v in tree_flatten(module.parameters())}
 
 
+def hub_weights(config: dict, model: nn.Module, head: nn.Module | None, *, per_expert: bool = False) -> dict[str, mx.array]:
+    """The trunk's and head's tensors under the Hub's names and layout.
+
+    Qwen3-Next: ``model.*``, ``lm_head.weight``, one tensor per expert.
+    Qwen3.5: ``model.language_model.*`` when the config has a
+    ``text_config`` (the vision-language layout), else ``model.*``;
+    ``lm_head.weight`` at the top; MoE experts fused
+    (``experts.gate_up_proj``, ``experts.down_proj``) unless ``per_expert``.
+    """
+    weights = module_weights(model)
+    if head is not None:
+        weights.update(module_weights(head, MTP_PREFIX))
+    fused = False
+    if is_qwen3_5(config):
+        inner = "model.language_model." if "text_config" in config else "model."
+        renamed = {}
+        for key, value in weights.items():
+            if key.startswith("language_model.model."):
+                key = inner + key[len("language_model.model."):]
+            elif key.startswith("language_model."):
+                key = key[len("language_model."):]
+            renamed[key] = value
+        weights = renamed
+        fused = text_config(config).get("num_experts", 0) > 0 and not per_expert
+    return mlx_to_hub(weights, fused_experts=fused)
+
+
+def vision_tower(config: dict, seed: int = 0) -> dict[str, mx.array]:
+    """Small random ``model.visual.*`` tensors for a vision-language config
+    (the engine and mlx-lm ignore them; they make a tiny folder look like
+    the Hub's)."""
+    vision = config.get("vision_config")
+    if not vision:
+        return {}
+    dim = int(vision.get("hidden_size", 16))
+    key = mx.random.key(seed)
+    return {
+        "model.visual.patch_embed.proj.weight": mx.random.normal((dim, 3, 2, 2, 2), key=key),
+        "model.visual.blocks.0.norm1.weight": mx.ones((dim,)),
+        "model.visual.merger.linear_fc2.weight": mx.random.normal((text_config(config)["hidden_size"], dim), key=key),
+    }
+
+
 def write_checkpoint(
     folder: Path,
     config: dict,
@@ -108,27 +152,27 @@ def write_checkpoint(
     *,
     dtype: mx.Dtype | None = None,
     max_shard_bytes: int | None = None,
+    per_expert: bool = False,
 ) -> Path:
     """Write model, MTP head, config and tokenizer in the Hub layout.
 
     Args:
         folder: Destination (created).
-        config: Hub ``config.json`` contents (``model_type: qwen3_next``).
-        model: The mlx-lm ``qwen3_next.Model`` holding the trunk's weights.
+        config: Hub ``config.json`` contents (a supported ``model_type``).
+        model: The mlx-lm model holding the trunk's weights.
         head: The `MTPHead`, or None to write a checkpoint without one.
         tokenizer: A ``tokenizers.Tokenizer`` with the ChatML specials.
         dtype: Cast floating weights to this dtype (default: keep).
         max_shard_bytes: Shard the weights with an index file.
+        per_expert: Qwen3.5 MoE: one tensor per expert instead of the fused
+            form (see `hub_weights`).
 
     Returns:
         ``folder``.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    weights = module_weights(model)
-    if head is not None:
-        weights.update(module_weights(head, MTP_PREFIX))
-    weights = mlx_to_hub(weights)
+    weights = {**hub_weights(config, model, head, per_expert=per_expert), **vision_tower(config)}
     if dtype is not None:
         weights = {
             k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
@@ -136,7 +180,7 @@ def write_checkpoint(
         }
     mx.eval(weights)
     save_sharded(folder, weights, max_shard_bytes=max_shard_bytes, metadata={"format": "pt"})
-    ids = write_tokenizer(folder, tokenizer, model_max_length=config["max_position_embeddings"])
+    ids = write_tokenizer(folder, tokenizer, model_max_length=text_config(config)["max_position_embeddings"])
     config = dict(config)
     config.setdefault("eos_token_id", ids[EOS_TOKEN])
     config.setdefault("bos_token_id", ids[PAD_TOKEN])

@@ -1,7 +1,8 @@
-"""Reading and writing Qwen3-Next weights in the Hub and MLX layouts.
+"""Reading and writing Qwen3-Next and Qwen3.5 weights in the Hub and MLX layouts.
 
 Hub layout (as ``Qwen/Qwen3-Next-80B-A3B-Instruct`` ships): one tensor per
-expert (``mlp.experts.{e}.{gate,up,down}_proj``), zero-centred RMSNorm weights
+expert (``mlp.experts.{e}.{gate,up,down}_proj``; Qwen3.5's MoE models fuse
+them as ``mlp.experts.gate_up_proj`` and ``mlp.experts.down_proj``), zero-centred RMSNorm weights
 (the model multiplies by ``1 + w``), ``conv1d`` weights as ``[C, 1, K]`` and
 the MTP head under ``mtp.``. MLX layout (what mlx-lm's ``sanitize`` makes):
 stacked ``switch_mlp`` experts, norms shifted by +1, ``conv1d`` as ``[C, K, 1]``.
@@ -32,12 +33,14 @@ _ZERO_CENTRED = (
     "pre_fc_norm_hidden.weight",
 )
 _FINAL_NORMS = ("model.norm.weight", "mtp.norm.weight", "norm.weight")
+_FUSED_KEY = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 _EXPERT_KEY = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
 _SWITCH_KEY = re.compile(r"^(.*\.mlp)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
 
 
 def _is_zero_centred(key: str) -> bool:
-    return key.endswith(_ZERO_CENTRED) or key in _FINAL_NORMS
+    # "model.norm.weight" also ends Qwen3.5's "model.language_model.norm.weight".
+    return key.endswith(_ZERO_CENTRED) or key in _FINAL_NORMS or key.endswith("model.norm.weight")
 
 
 def read_safetensors_header(path: Path) -> dict:
@@ -96,24 +99,17 @@ def load_prefixed(folder: Path, prefix: str) -> tuple[dict[str, mx.array], dict[
     return weights, metadata
 
 
-def hub_to_mlx(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Convert Hub-layout tensors to the MLX layout (any key prefix).
-
-    Stacks per-expert tensors, shifts zero-centred norms by +1 and moves the
-    conv1d kernel axis. Quantized per-expert tensors stack the same way.
-    """
+def stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Stack one-tensor-per-expert keys (``mlp.experts.{e}.gate_proj.weight``)
+    into mlx-lm's ``mlp.switch_mlp.gate_proj.weight``; other keys pass."""
     out: dict[str, mx.array] = {}
     experts: dict[tuple[str, str, str], dict[int, mx.array]] = {}
     for key, value in weights.items():
         m = _EXPERT_KEY.match(key)
         if m:
             experts.setdefault((m[1], m[3], m[4]), {})[int(m[2])] = value
-            continue
-        if "conv1d.weight" in key and value.ndim == 3 and value.shape[-1] != 1:
-            value = value.moveaxis(2, 1)
-        if _is_zero_centred(key) and value.ndim == 1:
-            value = value + 1.0
-        out[key] = value
+        else:
+            out[key] = value
     for (mlp, proj, kind), by_index in experts.items():
         n = len(by_index)
         if sorted(by_index) != list(range(n)):
@@ -122,11 +118,53 @@ def hub_to_mlx(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
-def mlx_to_hub(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """Inverse of `hub_to_mlx`: per-expert tensors, zero-centred norms."""
+def split_fused_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Qwen3.5's fused experts (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``,
+    gate rows first, and ``mlp.experts.down_proj`` ``[E, H, I]``) as
+    mlx-lm's ``switch_mlp`` projections; other keys pass."""
+    out: dict[str, mx.array] = {}
+    for key, value in weights.items():
+        m = _FUSED_KEY.match(key)
+        if not m:
+            out[key] = value
+        elif m[2] == "gate_up_proj":
+            mid = value.shape[-2] // 2
+            out[f"{m[1]}.switch_mlp.gate_proj.weight"] = value[..., :mid, :]
+            out[f"{m[1]}.switch_mlp.up_proj.weight"] = value[..., mid:, :]
+        else:
+            out[f"{m[1]}.switch_mlp.down_proj.weight"] = value
+    return out
+
+
+def hub_to_mlx(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Convert Hub-layout tensors to the MLX layout (any key prefix).
+
+    Stacks per-expert tensors (quantized ones too) or splits fused ones,
+    shifts zero-centred norms by +1 and moves the conv1d kernel axis.
+    """
+    out: dict[str, mx.array] = {}
+    for key, value in split_fused_experts(stack_experts(weights)).items():
+        if "conv1d.weight" in key and value.ndim == 3 and value.shape[-1] != 1:
+            value = value.moveaxis(2, 1)
+        if _is_zero_centred(key) and value.ndim == 1:
+            value = value + 1.0
+        out[key] = value
+    return out
+
+
+def mlx_to_hub(weights: dict[str, mx.array], fused_experts: bool = False) -> dict[str, mx.array]:
+    """Inverse of `hub_to_mlx`: per-expert tensors (or Qwen3.5's fused
+    ``experts.gate_up_proj`` / ``experts.down_proj``), zero-centred norms."""
     out: dict[str, mx.array] = {}
     for key, value in weights.items():
         m = _SWITCH_KEY.match(key)
+        if m and fused_experts and m[3] == "weight":
+            if m[2] == "gate_proj":
+                up = weights[f"{m[1]}.switch_mlp.up_proj.weight"]
+                out[f"{m[1]}.experts.gate_up_proj"] = mx.concatenate([value, up], axis=-2)
+            elif m[2] == "down_proj":
+                out[f"{m[1]}.experts.down_proj"] = value
+            continue
         if m:
             for e in range(value.shape[0]):
                 out[f"{m[1]}.experts.{e}.{m[2]}.{m[3]}"] = value[e]

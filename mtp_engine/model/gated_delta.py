@@ -1,7 +1,12 @@
 """The trunk's gated-delta layers, able to capture per-token states.
 
-`install_state_capture` swaps each loaded ``Qwen3NextGatedDeltaNet`` of one
-model for a `CapturingGatedDeltaNet` that shares its weights. The swapped
+`install_state_capture` swaps each loaded gated-delta layer of one model
+(``Qwen3NextGatedDeltaNet``, or Qwen3.5's ``GatedDeltaNet``) for a capturing
+subclass that shares its weights. The two differ only in their input
+projections (`projections`): Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``
+hold q, k, v, z and b, a interleaved per key-head group; Qwen3.5 has four
+plain projections (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+``in_proj_a``). The swapped
 layer behaves exactly like mlx-lm's unless its cache is a
 `StateCaptureCache` that captures, or the engine's recurrence path (chosen
 once, at install, by `mtp_engine.kernels.recurrence.select`) is a fast one;
@@ -16,6 +21,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.gated_delta import normalize_qk
+from mlx_lm.models.qwen3_5 import GatedDeltaNet as Qwen35GatedDeltaNet
 from mlx_lm.models.qwen3_next import Qwen3NextGatedDeltaNet
 
 from mtp_engine.cache.capture import ConvWindows, StateCaptureCache
@@ -24,8 +30,8 @@ from mtp_engine.kernels import recurrence as rec
 from mtp_engine.model.swap import share_weights
 
 
-class CapturingGatedDeltaNet(Qwen3NextGatedDeltaNet):
-    """Qwen3-Next gated-delta layer that can record per-token states.
+class StateCapture:
+    """What a capturing gated-delta layer adds to mlx-lm's (either family).
 
     Attributes (set at install):
         recurrence: The path of its recurrence (`mtp_engine.kernels.recurrence`).
@@ -37,9 +43,7 @@ class CapturingGatedDeltaNet(Qwen3NextGatedDeltaNet):
     fast_silu: bool = False
 
     @classmethod
-    def from_layer(
-        cls, layer: Qwen3NextGatedDeltaNet, path: str = rec.MLX_OPS, fast_silu: bool = False
-    ) -> "CapturingGatedDeltaNet":
+    def from_layer(cls, layer: nn.Module, path: str = rec.MLX_OPS, fast_silu: bool = False) -> "StateCapture":
         """A capturing layer sharing ``layer``'s parameters and settings."""
         new = share_weights(cls, layer)
         new.recurrence = path
@@ -66,8 +70,33 @@ class CapturingGatedDeltaNet(Qwen3NextGatedDeltaNet):
         return out
 
 
+class CapturingGatedDeltaNet(StateCapture, Qwen3NextGatedDeltaNet):
+    """Qwen3-Next's gated-delta layer, able to record per-token states."""
+
+
+class CapturingQwen35GatedDeltaNet(StateCapture, Qwen35GatedDeltaNet):
+    """Qwen3.5's gated-delta layer, able to record per-token states."""
+
+
+# mlx-lm's layer class -> its capturing subclass.
+CAPTURING = {Qwen3NextGatedDeltaNet: CapturingGatedDeltaNet, Qwen35GatedDeltaNet: CapturingQwen35GatedDeltaNet}
+
+
+def projections(layer: nn.Module, inputs: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """A gated-delta layer's input projections of ``inputs`` ``[B, S, dim]``:
+    ``(qkv [B, S, 2*key_dim + value_dim], z [B, S, Hv, Dv], b [B, S, Hv],
+    a [B, S, Hv])`` in each family's layout, as mlx-lm 0.32 computes them."""
+    B, S, _ = inputs.shape
+    if hasattr(layer, "in_proj_qkvz"):  # Qwen3-Next
+        q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(inputs), layer.in_proj_ba(inputs))
+        qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+        return qkv, z, b, a
+    z = layer.in_proj_z(inputs).reshape(B, S, layer.num_v_heads, layer.head_v_dim)
+    return layer.in_proj_qkv(inputs), z, layer.in_proj_b(inputs), layer.in_proj_a(inputs)
+
+
 def mix_tokens(
-    layer: CapturingGatedDeltaNet,
+    layer: StateCapture,
     inputs: mx.array,
     conv_state: mx.array,
     state: mx.array | None,
@@ -76,8 +105,9 @@ def mix_tokens(
 ) -> tuple[mx.array, Sequence, Sequence]:
     """A gated-delta layer's forward over ``S`` tokens, with its states.
 
-    Mirrors ``Qwen3NextGatedDeltaNet.__call__`` (mlx-lm 0.32) with the
-    recurrence of `mtp_engine.kernels.recurrence`.
+    Mirrors ``Qwen3NextGatedDeltaNet.__call__`` and Qwen3.5's
+    ``GatedDeltaNet.__call__`` (mlx-lm 0.32) with the recurrence of
+    `mtp_engine.kernels.recurrence`.
 
     Args:
         layer: The gated-delta layer (its weights, shapes and paths).
@@ -95,9 +125,8 @@ def mix_tokens(
         built when read: a verify forward commits one of them).
     """
     B, S, _ = inputs.shape
-    q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(inputs), layer.in_proj_ba(inputs))
+    mixed_qkv, z, b, a = projections(layer, inputs)
     n_keep = layer.conv_kernel_size - 1
-    mixed_qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
     if mask is not None:
         mixed_qkv = mx.where(mask[..., None], mixed_qkv, 0)
     conv_input = mx.concatenate([conv_state, mixed_qkv], axis=1)  # [B, n_keep+S, C]
@@ -131,17 +160,23 @@ def gated_delta_layers(model: nn.Module) -> list:
 
 
 def install_state_capture(model: nn.Module, path: str = rec.MLX_OPS, fast_silu: bool = False) -> int:
-    """Swap every gated-delta layer of a loaded Qwen3-Next model in place
-    (a layer swapped before is re-configured). Returns how many."""
+    """Swap every gated-delta layer of a loaded model in place (a layer
+    swapped before is re-configured). Returns how many.
+
+    Raises:
+        TypeError: A gated-delta layer of a class the engine does not know.
+    """
     count = 0
     for layer in model.layers:
         if not getattr(layer, "is_linear", False):
             continue
         attn = layer.linear_attn
-        if isinstance(attn, CapturingGatedDeltaNet):
+        if isinstance(attn, StateCapture):
             attn.recurrence, attn.fast_silu = path, fast_silu
+        elif type(attn) in CAPTURING:
+            layer.linear_attn = CAPTURING[type(attn)].from_layer(attn, path, fast_silu)
         else:
-            layer.linear_attn = CapturingGatedDeltaNet.from_layer(attn, path, fast_silu)
+            raise TypeError(f"no state capture for gated-delta layers of type {type(attn).__name__}")
         count += 1
     return count
 

@@ -1,6 +1,8 @@
-"""Load a Qwen3-Next checkpoint and its MTP head.
+"""Load a Qwen3-Next or Qwen3.5 checkpoint and its MTP head.
 
-The trunk is mlx-lm's own ``qwen3_next`` model (``mlx_lm.utils.load_model``);
+The trunk is mlx-lm's own model (``qwen3_next``, ``qwen3_5``, ``qwen3_5_moe``,
+through ``mlx_lm.utils.load_model``; `mtp_engine.model.family` says what
+differs between the families);
 the MTP head, which mlx-lm's ``sanitize`` drops, is read from the ``mtp.*``
 tensors wherever they are in the folder: the Hub's shards, or an
 ``mtp.safetensors`` written beside an ``mlx_lm.convert`` output by
@@ -18,16 +20,20 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.qwen3_next import ModelArgs
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import infer_quant_config, load_model, load_tokenizer
 
 from mtp_engine.io.weights import MTP_LAYOUT_KEY, MTP_PREFIX, hub_to_mlx, load_prefixed
+from mtp_engine.model.family import (
+    SUPPORTED_MODEL_TYPES,
+    load_overrides,
+    model_classes,
+    text_args,
+    text_config,
+)
 from mtp_engine.model.install import install_engine_layers
 from mtp_engine.model.mtp_head import MTPHead
 from mtp_engine.options import EngineOptions, FastPathStatus
-
-SUPPORTED_MODEL_TYPES = ("qwen3_next",)
 
 
 class CheckpointError(ValueError):
@@ -43,7 +49,8 @@ class LoadedCheckpoint:
     """What `load_checkpoint` returns.
 
     Attributes:
-        model: mlx-lm ``qwen3_next.Model`` with the engine's layers installed.
+        model: mlx-lm's ``Model`` (`mtp_engine.model.family`) with the
+            engine's layers installed.
         head: The `MTPHead`.
         tokenizer: mlx-lm ``TokenizerWrapper``.
         config: The folder's ``config.json`` (as mlx-lm read it).
@@ -62,7 +69,7 @@ class LoadedCheckpoint:
 
     @property
     def context_length(self) -> int:
-        return int(self.config.get("max_position_embeddings", 0)) or 2**31
+        return int(text_config(self.config).get("max_position_embeddings", 0)) or 2**31
 
 
 def read_config(path: str | Path) -> tuple[Path, dict]:
@@ -70,7 +77,7 @@ def read_config(path: str | Path) -> tuple[Path, dict]:
 
     Raises:
         FileNotFoundError: The folder or its config does not exist.
-        CheckpointError: The config is not a Qwen3-Next config.
+        CheckpointError: The config is not one of a supported family.
     """
     folder = Path(path).expanduser()
     if not folder.exists():
@@ -89,8 +96,13 @@ def read_config(path: str | Path) -> tuple[Path, dict]:
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
-            f"{str(path)!r} holds a {model_type!r} model; the engine needs a Qwen3-Next "
-            f"checkpoint (model_type 'qwen3_next') with its MTP head"
+            f"{str(path)!r} holds a {model_type!r} model; the engine needs a Qwen3-Next or Qwen3.5 "
+            f"checkpoint (model_type one of {', '.join(SUPPORTED_MODEL_TYPES)}) with its MTP head"
+        )
+    if text_config(config).get("mtp_use_dedicated_embeddings"):
+        raise CheckpointError(
+            f"{str(path)!r}: mtp_use_dedicated_embeddings is true; the engine's MTP head shares the "
+            "trunk's embedding (as every published Qwen3-Next and Qwen3.5 checkpoint does)"
         )
     return folder.resolve(), config
 
@@ -114,15 +126,14 @@ def load_mtp_head(folder: Path, config: dict) -> MTPHead:
         weights = hub_to_mlx(weights)
     layer_ids = {int(m[1]) for k in weights if (m := re.match(r"layers\.(\d+)\.", k))}
     num_layers = max(layer_ids) + 1 if layer_ids else 0
-    declared = int(config.get("mtp_num_hidden_layers", 1))
+    declared = int(text_config(config).get("mtp_num_hidden_layers", 1))
     if num_layers != declared:
         raise CheckpointError(
             f"{folder}: config says mtp_num_hidden_layers={declared} but the checkpoint "
             f"holds {num_layers} MTP layer(s)"
         )
     sparse = any(".mlp.switch_mlp." in k for k in weights)
-    args = ModelArgs.from_dict(config)
-    head = MTPHead(args, num_layers=num_layers, sparse=sparse)
+    head = MTPHead(text_args(config), num_layers=num_layers, sparse=sparse)
 
     if any(k.endswith(".scales") for k in weights):
 
@@ -172,7 +183,7 @@ def load_checkpoint(path: str | Path, dtype: str | None = None, options: EngineO
     folder, config = read_config(path)
     # The head first: a folder without one fails before the trunk is read.
     head = load_mtp_head(folder, config)
-    model, config = load_model(folder)
+    model, config = load_model(folder, model_config=load_overrides(config), get_model_classes=model_classes)
     if dtype is None and mx.default_device() == mx.cpu:
         half = (mx.bfloat16, mx.float16)
         if any(v.dtype in half for m in (model, head) for _, v in tree_flatten(m.parameters())):
@@ -181,7 +192,7 @@ def load_checkpoint(path: str | Path, dtype: str | None = None, options: EngineO
         for module in (model, head):
             module.set_dtype(DTYPES[dtype])
         mx.eval(model.parameters(), head.parameters())
-    tokenizer = load_tokenizer(folder, eos_token_ids=config.get("eos_token_id"))
+    tokenizer = load_tokenizer(folder, eos_token_ids=text_config(config).get("eos_token_id"))
     statuses = install_engine_layers(model, head, options)
     return LoadedCheckpoint(model=model, head=head, tokenizer=tokenizer, config=config, path=folder,
                             options=options, fast_paths=statuses)

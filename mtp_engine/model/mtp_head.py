@@ -1,4 +1,4 @@
-"""The Qwen3-Next multi-token-prediction head.
+"""The multi-token-prediction head of Qwen3-Next and Qwen3.5.
 
 Index convention: at position ``i`` the head consumes ``(H_i, t_{i+1})``, the
 main model's final-normed hidden state and the next token, and predicts
@@ -8,8 +8,11 @@ draft step uses in place of a main hidden.
 Checkpoint layout (keys under ``mtp.``): ``pre_fc_norm_embedding``,
 ``pre_fc_norm_hidden``, ``fc`` (2H -> H, input ``[norm_emb(e), norm_hid(h)]``,
 embedding first), ``layers.{j}`` (full-attention decoder layers with the MoE
-block) and ``norm``. The embedding and LM head are the main model's. With
-``mtp_num_hidden_layers > 1`` the layers are applied one after another.
+block, or the dense MLP of a dense Qwen3.5) and ``norm``. The embedding and
+LM head are the main model's. With ``mtp_num_hidden_layers > 1`` the layers
+are applied one after another. Qwen3.5's head has the same structure and
+blocks (mlx-lm's ``qwen3_5`` imports Qwen3-Next's attention, MLP and MoE
+classes); it is built from the text model's arguments.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_next import (
-    Model,
     ModelArgs,
     Qwen3NextAttention,
     Qwen3NextMLP,
     Qwen3NextSparseMoeBlock,
 )
+
+from mtp_engine.model.family import build_trunk, text_args, text_config
 
 
 def mlp_residual(layer: nn.Module, h: mx.array) -> mx.array:
@@ -76,10 +80,11 @@ class MTPDecoderLayer(nn.Module):
 
 
 class MTPHead(nn.Module):
-    """MTP head of a Qwen3-Next checkpoint.
+    """MTP head of a Qwen3-Next or Qwen3.5 checkpoint.
 
     Args:
-        args: The main model's arguments (shapes, norms, attention, experts).
+        args: The text model's arguments (shapes, norms, attention, experts):
+            ``qwen3_next.ModelArgs`` or ``qwen3_5.TextModelArgs``.
         num_layers: ``mtp_num_hidden_layers`` of the checkpoint.
         sparse: Whether the head's layers use the MoE block (as the released
             checkpoints do) or a dense MLP.
@@ -126,14 +131,15 @@ class MTPHead(nn.Module):
         return self.norm(x)
 
 
-def build_models(config: dict) -> tuple[Model, MTPHead]:
-    """A fresh trunk (mlx-lm's ``qwen3_next.Model``) and MTP head for a Hub
-    config, with MLX's default initialization (lazy until evaluated)."""
-    args = ModelArgs.from_dict(config)
-    model = Model(args)  # trunk first: the seeded random init depends on the order
+def build_models(config: dict) -> tuple[nn.Module, MTPHead]:
+    """A fresh trunk (mlx-lm's model for the config's family) and MTP head
+    for a Hub config, with MLX's default initialization (lazy until
+    evaluated)."""
+    model = build_trunk(config)  # trunk first: the seeded random init depends on the order
+    args = text_args(config)
     head = MTPHead(
         args,
-        num_layers=config.get("mtp_num_hidden_layers", 1),
-        sparse=config["num_experts"] > 0,
+        num_layers=text_config(config).get("mtp_num_hidden_layers", 1),
+        sparse=args.num_experts > 0,
     )
     return model, head

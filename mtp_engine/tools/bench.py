@@ -7,8 +7,9 @@ all modes alike, checks every mode's tokens against baseline, fits a cost
 model (forward time by width, MTP step time, predicted speedup and engine
 efficiency) and measures dataset throughput of the batch mode.
 
-``--synthetic 80b`` benchmarks costs at real scale on random 4-bit weights
-with the Qwen3-Next-80B-A3B shapes (acceptance there means nothing).
+``--synthetic 80b`` (or ``qwen3.5-27b``, ``qwen3.5-35b-a3b``) benchmarks costs
+at real scale on random 4-bit weights with those models' shapes (acceptance
+there means nothing: project it with ``--acceptance-profile``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from mtp_engine.tools.dataset_bench import (
 )
 from mtp_engine.tools.loops import find_loop
 from mtp_engine.tools.synthetic import (
-    qwen3_next_80b_config,
+    SYNTHETIC,
     random_quantized_checkpoint,
 )
 
@@ -511,7 +512,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the prompts")
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[1, 8, 16, 32])
     parser.add_argument("--context", type=int, default=None, help="pad prompts to this many tokens")
-    parser.add_argument("--synthetic", choices=["80b", "80b-small"], help="random 4-bit model of these shapes")
+    parser.add_argument("--synthetic", choices=list(SYNTHETIC), help="random 4-bit model of these shapes")
     parser.add_argument("--dtype", default=None, help="cast weights (float32, bfloat16, float16)")
     parser.add_argument("--contexts", type=int, nargs="*", help="repeat the suite at these context lengths")
     parser.add_argument("--batch-limit", type=int, default=None, help="prompts for batch throughput (default --limit)")
@@ -539,13 +540,7 @@ def main(argv=None) -> int:
 
     if args.synthetic:
 
-        # "80b-small": the same structure scaled down, a smoke test of the suite.
-        overrides = {} if args.synthetic == "80b" else dict(
-            num_hidden_layers=4, num_experts=16, hidden_size=512, vocab_size=4096,
-            linear_num_key_heads=4, linear_num_value_heads=8, num_attention_heads=4,
-        )
-        engine = MTPEngine(random_quantized_checkpoint(
-            qwen3_next_80b_config(**overrides), options=engine_options(args)))
+        engine = MTPEngine(random_quantized_checkpoint(SYNTHETIC[args.synthetic](), options=engine_options(args)))
         model_name = f"synthetic {args.synthetic} (random 4-bit weights)"
     else:
         engine = load_engine(args.model, args.dtype, engine_options(args))

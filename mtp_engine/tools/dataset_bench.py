@@ -75,7 +75,7 @@ def _projections(engine, n: int, references, profile) -> list:
     """Each prompt's `ProjectedDrafts` (None for all without a profile)."""
     if references is None:
         return [None] * n
-    vocab = engine.model.args.vocab_size
+    vocab = engine.text.args.vocab_size
     return [ProjectedDrafts(profile, ref, vocab, seed=i) for i, ref in enumerate(references)]
 
 

@@ -1,5 +1,6 @@
-"""Random quantized Qwen3-Next models built in memory, for benchmarks at
-real scale (e.g. the 80B-A3B shapes) without weights on disk.
+"""Random quantized models built in memory, for benchmarks at real scale
+(Qwen3-Next-80B-A3B, Qwen3.5-27B and Qwen3.5-35B-A3B shapes) without
+weights on disk.
 
 Quantized weights are drawn directly as packed random integers with scales
 that give each layer unit-scale outputs; no float copy of the full model is
@@ -16,7 +17,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from transformers import PreTrainedTokenizerFast
 
-from mtp_engine.io.tiny import tiny_config, tiny_tokenizer
+from mtp_engine.io.tiny import tiny_config, tiny_qwen35_config, tiny_tokenizer
 from mtp_engine.model.install import install_engine_layers
 from mtp_engine.model.loader import LoadedCheckpoint
 from mtp_engine.model.mtp_head import build_models
@@ -53,6 +54,51 @@ def qwen3_next_80b_config(**overrides) -> dict:
     return config
 
 
+def qwen3_5_27b_config(**overrides) -> dict:
+    """The shapes of Qwen3.5-27B (dense: 64 layers, hidden 5120, MLP 17408,
+    gated-delta 3:1 with 48 value and 16 key heads, gated attention with 24
+    heads and 4 KV heads of 256, a 248K vocabulary, one dense MTP layer), in
+    the Hub's vision-language layout."""
+    shapes = dict(
+        hidden_size=5120, num_hidden_layers=64, intermediate_size=17408, num_attention_heads=24,
+        num_key_value_heads=4, head_dim=256, linear_num_value_heads=48, linear_num_key_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320, max_position_embeddings=262144,
+    )
+    return tiny_qwen35_config(**{**shapes, **overrides})
+
+
+def qwen3_5_35b_a3b_config(**overrides) -> dict:
+    """The shapes of Qwen3.5-35B-A3B (40 layers, hidden 2048, 256 experts
+    top-8 of 512 with a shared expert of 512, gated-delta 3:1 with 32 value
+    and 16 key heads, gated attention with 16 heads and 2 KV heads of 256, a
+    248K vocabulary, one MoE MTP layer)."""
+    shapes = dict(
+        hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, vocab_size=248320, max_position_embeddings=262144,
+    )
+    return tiny_qwen35_config(moe=True, **{**shapes, **overrides})
+
+
+# --synthetic names of the benchmark: full shapes, and small ones of the same
+# structure (smoke tests of the suites).
+SYNTHETIC = {
+    "80b": lambda: qwen3_next_80b_config(),
+    "80b-small": lambda: qwen3_next_80b_config(
+        num_hidden_layers=4, num_experts=16, hidden_size=512, vocab_size=4096,
+        linear_num_key_heads=4, linear_num_value_heads=8, num_attention_heads=4),
+    "qwen3.5-27b": lambda: qwen3_5_27b_config(),
+    "qwen3.5-35b-a3b": lambda: qwen3_5_35b_a3b_config(),
+    "qwen3.5-small": lambda: qwen3_5_27b_config(
+        num_hidden_layers=4, hidden_size=512, intermediate_size=1024, vocab_size=4096,
+        linear_num_key_heads=4, linear_num_value_heads=8, num_attention_heads=4),
+    "qwen3.5-moe-small": lambda: qwen3_5_35b_a3b_config(
+        num_hidden_layers=4, num_experts=16, hidden_size=512, vocab_size=4096,
+        linear_num_key_heads=4, linear_num_value_heads=8, num_attention_heads=4),
+}
+
+
 def _randomize_quantized(module: nn.Module, bits: int, seed: int) -> None:
     """Replace every quantized layer's packed weights with random integers."""
     key = mx.random.key(seed)
@@ -81,7 +127,8 @@ def random_quantized_checkpoint(
 ) -> LoadedCheckpoint:
     """A loaded-checkpoint stand-in with random quantized weights.
 
-    The trunk is mlx-lm's ``qwen3_next.Model`` quantized like
+    The trunk is mlx-lm's model for the config (``qwen3_next``, ``qwen3_5``
+    or ``qwen3_5_moe``) quantized like
     ``mlx_lm.convert -q`` (router gates at 8 bits), the MTP head quantized
     the same way; embeddings and norms stay in ``dtype`` (default bfloat16,
     float32 on MLX's CPU backend, where bfloat16 arithmetic is emulated).

@@ -12,7 +12,7 @@ from mlx_lm.utils import load as mlx_lm_load
 
 from mtp_engine import CheckpointError, MTPEngine
 from mtp_engine.io.convert import main as convert_main
-from mtp_engine.io.tiny import make_tiny_checkpoint, tiny_config
+from mtp_engine.io.tiny import make_tiny_checkpoint, tiny_config, tiny_qwen35_config
 from mtp_engine.io.weights import MTP_FILE, files_with_prefix
 from tests.conftest import PROMPTS
 from tests.mtp_engine.test_lossless import check_against_reference
@@ -110,3 +110,30 @@ def test_source_without_head_is_refused(tmp_path):
     headless = make_tiny_checkpoint(tmp_path / "headless", CONFIG, with_mtp=False)
     assert convert_main(["--hf-path", str(headless), "--mlx-path", str(tmp_path / "out")]) == 1
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("moe", [True, False], ids=["qwen3_5_moe", "qwen3_5"])
+def test_qwen35_conversion_keeps_the_head_and_is_lossless(tmp_path, reference_factory, moe):
+    hub = make_tiny_checkpoint(tmp_path / "hub", tiny_qwen35_config(moe=moe), seed=12, predictability=0.4)
+    out = tmp_path / "q4"
+    assert convert_main(["--hf-path", str(hub), "--mlx-path", str(out), "-q", "--q-bits", "4",
+                         "--q-group-size", "32", "--mtp-bits", "8"]) == 0
+    engine = MTPEngine.load(out)
+    assert isinstance(engine.checkpoint.head.fc, nn.QuantizedLinear) and engine.checkpoint.head.fc.bits == 8
+    assert engine.model.layers[0].linear_attn.in_proj_qkv.bits == 4
+    reference = reference_factory(out)  # mlx-lm's own qwen3_5 classes on the converted folder
+    accepted = 0
+    for prompt in PROMPTS[:4]:
+        ids = engine.encode(prompt)
+        ref, gaps = reference.greedy(ids, 32)
+        for mode in ("chain", "tree"):
+            result = engine.generate(ids, max_tokens=32, mode=mode)
+            check_against_reference(result, ref, gaps, engine.eos_token_ids, 32)
+            accepted += result.stats.accepted
+    assert accepted > 0
+    # A head from a Qwen3.5 model of another shape is refused.
+    other = make_tiny_checkpoint(tmp_path / "other", tiny_qwen35_config(moe=moe, hidden_size=96), seed=3)
+    with pytest.raises(CheckpointError, match=r"different model[\s\S]*hidden_size: 96"):
+        from mtp_engine.io.convert import graft
+
+        graft(other, out, mtp_bits=8, group_size=32, dtype=None)

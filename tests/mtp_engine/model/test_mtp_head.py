@@ -1,5 +1,7 @@
 """The MTP head follows the checkpoint's conventions: its logits equal an
-independent float64 NumPy computation from the raw Hub-layout tensors."""
+independent float64 NumPy computation from the raw Hub-layout tensors, for
+Qwen3-Next (per-expert MoE) and Qwen3.5 (dense MLP; fused MoE experts; the
+vision-language layout; linear-scaled RoPE)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import numpy as np
 import pytest
 
 from mtp_engine import MTPEngine
-from mtp_engine.io.tiny import tiny_config
+from mtp_engine.io.tiny import tiny_config, tiny_qwen35_config
 
 
 def raw_tensors(folder) -> dict[str, np.ndarray]:
@@ -48,18 +50,44 @@ def softmax(x):
     return e / e.sum(-1, keepdims=True)
 
 
+def text_settings(config: dict) -> dict:
+    """The text model's keys of a Hub config, read here independently of the
+    engine: Qwen3.5 nests them in ``text_config`` and its RoPE settings in
+    ``rope_parameters``."""
+    cfg = dict(config.get("text_config", config))
+    rope_params = cfg.get("rope_parameters") or {}
+    cfg["rope_theta"] = rope_params.get("rope_theta", cfg.get("rope_theta"))
+    cfg["partial_rotary_factor"] = rope_params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    kind = rope_params.get("rope_type", rope_params.get("type", "default"))
+    cfg["rope_factor"] = rope_params["factor"] if kind == "linear" else 1.0
+    cfg.setdefault("norm_topk_prob", True)
+    return cfg
+
+
+def expert(w, p: str, e: int, name: str):
+    """One expert's projection, stored per expert or fused (Qwen3.5)."""
+    if p + f"mlp.experts.{e}.{name}.weight" in w:
+        return w[p + f"mlp.experts.{e}.{name}.weight"]
+    if name == "down_proj":
+        return w[p + "mlp.experts.down_proj"][e]
+    gate_up = w[p + "mlp.experts.gate_up_proj"][e]
+    half = gate_up.shape[0] // 2
+    return gate_up[:half] if name == "gate_proj" else gate_up[half:]
+
+
 def mtp_reference(w, cfg, hidden, tokens):
     """Logits of the MTP head for pairs (hidden[i], tokens[i]) at positions 0..L-1."""
     eps = cfg["rms_norm_eps"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    emb = w["model.embed_tokens.weight"][tokens]
+    embed_key = next(k for k in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight") if k in w)
+    emb = w[embed_key][tokens]
     x = np.concatenate(
         [rms_norm(emb, w["mtp.pre_fc_norm_embedding.weight"], eps),
          rms_norm(hidden, w["mtp.pre_fc_norm_hidden.weight"], eps)],
         axis=-1,
     ) @ w["mtp.fc.weight"].T
     L = len(tokens)
-    positions = np.arange(L, dtype=np.float64)
+    positions = np.arange(L, dtype=np.float64) / cfg["rope_factor"]
     for j in range(cfg["mtp_num_hidden_layers"]):
         p = f"mtp.layers.{j}."
         h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
@@ -79,6 +107,10 @@ def mtp_reference(w, cfg, hidden, tokens):
         x = x + (attn * (1.0 / (1.0 + np.exp(-gate)))) @ w[p + "self_attn.o_proj.weight"].T
 
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+        if p + "mlp.gate.weight" not in w:  # a dense MLP (dense Qwen3.5)
+            mp = p + "mlp."
+            x = x + (silu(h @ w[mp + "gate_proj.weight"].T) * (h @ w[mp + "up_proj.weight"].T)) @ w[mp + "down_proj.weight"].T
+            continue
         probs = softmax(h @ w[p + "mlp.gate.weight"].T)
         top = np.argsort(-probs, axis=-1)[:, : cfg["num_experts_per_tok"]]
         moe = np.zeros_like(h)
@@ -87,27 +119,31 @@ def mtp_reference(w, cfg, hidden, tokens):
             if cfg["norm_topk_prob"]:
                 scores_i = scores_i / scores_i.sum()
             for e, s in zip(top[i], scores_i):
-                ep = f"{p}mlp.experts.{e}."
-                inner = silu(h[i] @ w[ep + "gate_proj.weight"].T) * (h[i] @ w[ep + "up_proj.weight"].T)
-                moe[i] += s * (inner @ w[ep + "down_proj.weight"].T)
+                inner = silu(h[i] @ expert(w, p, e, "gate_proj").T) * (h[i] @ expert(w, p, e, "up_proj").T)
+                moe[i] += s * (inner @ expert(w, p, e, "down_proj").T)
         sp = p + "mlp.shared_expert."
         shared = (silu(h @ w[sp + "gate_proj.weight"].T) * (h @ w[sp + "up_proj.weight"].T)) @ w[sp + "down_proj.weight"].T
         shared_gate = 1.0 / (1.0 + np.exp(-(h @ w[p + "mlp.shared_expert_gate.weight"].T)))
         x = x + moe + shared_gate * shared
     out = rms_norm(x, w["mtp.norm.weight"], eps)
-    return out @ w["lm_head.weight"].T
+    return out @ w["lm_head.weight" if "lm_head.weight" in w else embed_key].T
 
 
 @pytest.mark.parametrize(
-    "name, overrides",
+    "name, config",
     [
-        ("head_default", {}),
-        ("head_two_layers", dict(mtp_num_hidden_layers=2, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False)),
+        ("head_default", tiny_config()),
+        ("head_two_layers", tiny_config(mtp_num_hidden_layers=2, num_experts=8, num_experts_per_tok=3,
+                                        norm_topk_prob=False)),
+        ("head_qwen35_dense", tiny_qwen35_config()),
+        ("head_qwen35_moe_tied_linear_rope", tiny_qwen35_config(
+            moe=True, tie_word_embeddings=True, norm_topk_prob=False,
+            rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4, "partial_rotary_factor": 0.5})),
     ],
 )
-def test_mtp_head_matches_float64_numpy(checkpoint_factory, name, overrides):
-    path = checkpoint_factory(name, tiny_config(**overrides), seed=7)
-    cfg = json.loads((path / "config.json").read_text())
+def test_mtp_head_matches_float64_numpy(checkpoint_factory, name, config):
+    path = checkpoint_factory(name, config, seed=7)
+    cfg = text_settings(json.loads((path / "config.json").read_text()))
     engine = MTPEngine.load(path)
     w = raw_tensors(path)
     # The stored norms are zero-centred: the loaded head applies 1 + w.

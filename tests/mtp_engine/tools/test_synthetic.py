@@ -88,3 +88,29 @@ def test_engine_puts_its_models_in_inference_mode():
     for module in (checkpoint.model, checkpoint.head):
         assert all(not m.training for _, m in module.named_modules())
     assert recurrence_path(checkpoint.model) != "mlx-lm ops" or cpu_recurrence.availability() is not None
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["qwen3.5-27b-pattern", "qwen3.5-35b-a3b-pattern"])
+def test_qwen35_synthetic_models_decode_losslessly_with_projected_drafts(moe):
+    """The Qwen3.5 builders' structure at toy width: mlx-lm's qwen3_5 classes,
+    quantized, capturing layers installed; drafts projected at a profile
+    leave the output equal to plain decoding."""
+    from mtp_engine.model.gated_delta import CapturingQwen35GatedDeltaNet
+    from mtp_engine.projection import ProjectedDrafts, parse_profile
+    from mtp_engine.tools.synthetic import qwen3_5_27b_config, qwen3_5_35b_a3b_config
+
+    toy = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=32, linear_num_value_heads=4, linear_num_key_heads=2,
+               linear_key_head_dim=32, linear_value_head_dim=32, vocab_size=384)
+    if moe:
+        toy.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+    config = (qwen3_5_35b_a3b_config if moe else qwen3_5_27b_config)(**toy)
+    assert config["text_config"]["linear_num_value_heads"] == 4 and ("num_experts" in config["text_config"]) == moe
+    engine = MTPEngine(random_quantized_checkpoint(config, options=EngineOptions(compile_layers=False)))
+    linear = [layer.linear_attn for layer in engine.model.layers if layer.is_linear]
+    assert len(linear) == 3 and all(isinstance(a, CapturingQwen35GatedDeltaNet) for a in linear)
+    assert engine.checkpoint.head.fc.bits == 4
+    plain = engine.generate(PROMPT, max_tokens=24, mode="baseline").tokens
+    projection = ProjectedDrafts(parse_profile("0.93,0.82,0.64"), plain, vocab=384, seed=0)
+    result = engine.generate(PROMPT, max_tokens=24, mode="chain", draft_tokens=3, projection=projection)
+    assert result.tokens == plain and result.stats.accepted > 0
