@@ -84,6 +84,8 @@ class EngineOptions:
             head's RoPE allows it).
         rowwise_linears: Few-row dense products as batched matrix-vector
             products (None: on CUDA).
+        flat_quantized: Quantized products over batched rows as one matrix
+            (None: on CUDA).
         contiguous_moe: MoE routing indices made contiguous once per block.
         moe_sort_min: With ``contiguous_moe``, sort the experts' tokens from
             this many routed (token, expert) selections (None: mlx-lm's 64 on
@@ -105,6 +107,7 @@ class EngineOptions:
     compile_layers: bool | None = None
     compile_head: bool | None = None
     rowwise_linears: bool | None = None
+    flat_quantized: bool | None = None
     contiguous_moe: bool = True
     moe_sort_min: int | None = None
     state_capture: bool = True

@@ -43,6 +43,38 @@ _CORPUS = [
 ]
 
 
+# The small shapes both families' tiny configs share: 4 layers (3 gated-delta,
+# 1 full attention), hidden 64, one MTP layer, a 384-token vocabulary.
+_SHAPES = {
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 384,
+    "max_position_embeddings": 2048,
+    "full_attention_interval": 4,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mtp_num_hidden_layers": 1,
+}
+# 4 experts top-2 with a shared expert.
+_EXPERTS = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "norm_topk_prob": True,
+}
+
+
 def tiny_config(**overrides) -> dict:
     """A small Qwen3-Next ``config.json`` (Hub keys), with overrides.
 
@@ -52,34 +84,13 @@ def tiny_config(**overrides) -> dict:
     config = {
         "architectures": ["Qwen3NextForCausalLM"],
         "model_type": "qwen3_next",
-        "hidden_size": 64,
-        "num_hidden_layers": 4,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
+        **_SHAPES,
+        **_EXPERTS,
         "decoder_sparse_step": 1,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 32,
         "mlp_only_layers": [],
-        "norm_topk_prob": True,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": 384,
         "rope_theta": 10000.0,
         "partial_rotary_factor": 0.25,
-        "max_position_embeddings": 2048,
-        "full_attention_interval": 4,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
         "rope_scaling": None,
-        "mtp_num_hidden_layers": 1,
         "torch_dtype": "float32",
     }
     config.update(overrides)
@@ -102,25 +113,9 @@ def tiny_qwen35_config(moe: bool = False, layout: str = "vl", **overrides) -> di
         raise ValueError(f"layout must be 'vl' or 'text', got {layout!r}")
     text = {
         "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
-        "hidden_size": 64,
-        "num_hidden_layers": 4,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "linear_num_value_heads": 4,
-        "linear_num_key_heads": 2,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "linear_conv_kernel_dim": 4,
-        "rms_norm_eps": 1e-6,
-        "vocab_size": 384,
-        "max_position_embeddings": 2048,
-        "full_attention_interval": 4,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
+        **_SHAPES,
+        **(_EXPERTS if moe else {}),
         "attn_output_gate": True,
-        "mtp_num_hidden_layers": 1,
         "mtp_use_dedicated_embeddings": False,
         "rope_parameters": {
             "rope_type": "default",
@@ -130,9 +125,6 @@ def tiny_qwen35_config(moe: bool = False, layout: str = "vl", **overrides) -> di
             "mrope_interleaved": True,
         },
     }
-    if moe:
-        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                    shared_expert_intermediate_size=32, norm_topk_prob=True)
     text.update(overrides)
     interval, layers = text["full_attention_interval"], text["num_hidden_layers"]
     text["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]

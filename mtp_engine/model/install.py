@@ -18,6 +18,7 @@ from mtp_engine.model.activations import install_fast_activations
 from mtp_engine.model.compiled import install_compiled_layers
 from mtp_engine.model.gated_delta import gated_delta_layers, install_state_capture
 from mtp_engine.model.moe import MLX_LM_SORT_MIN, install_moe_blocks
+from mtp_engine.model.quantized import install_flat_quantized
 from mtp_engine.model.rowwise import install_rowwise_linears
 from mtp_engine.options import GPU_MOE_SORT_MIN, EngineOptions, FastPathStatus
 
@@ -72,6 +73,11 @@ def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOpti
     statuses.append(rowwise)
     if rowwise.state == "on":
         install_rowwise_linears(model, head)
+
+    flat = decide("flat_quantized", options.flat_quantized, on_cuda, None, "batched rows of quantized products as one matrix")
+    statuses.append(flat)
+    if flat.state == "on":
+        install_flat_quantized(model, head)
 
     if act.state == "on":
         install_fast_activations(model, head)

@@ -79,13 +79,15 @@ def _projections(engine, n: int, references, profile) -> list:
     return [ProjectedDrafts(profile, ref, vocab, seed=i) for i, ref in enumerate(references)]
 
 
-def run_batched(engine, prompts, max_tokens, batch_size, k, references=None, profile=None) -> Run:
-    """The prompt set through `BatchedDecoder` (k = 0: plain batching)."""
+def run_batched(engine, prompts, max_tokens: int | list[int], batch_size, k, references=None, profile=None) -> Run:
+    """The prompt set through `BatchedDecoder` (k = 0: plain batching);
+    ``max_tokens`` for every prompt or one per prompt."""
     run = Run("batched chain" if k else "plain batching", batch_size, k)
     decoder = BatchedDecoder(engine, batch_size, "chain" if k else "baseline", k or 3)
     projections = _projections(engine, len(prompts), references if k else None, profile)
     for i, ids in enumerate(prompts):
-        decoder.add(i, ids, max_tokens=max_tokens, projection=projections[i])
+        budget = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
+        decoder.add(i, ids, max_tokens=budget, projection=projections[i])
     results = {}
     mx.reset_peak_memory()
     t = time.perf_counter()
@@ -188,11 +190,16 @@ def dataset_suite(engine, prompts, args, log) -> dict:
     profile = args.acceptance_profile
     log(f"dataset: {len(prompts)} prompts x {args.max_tokens} tokens"
         + (f", drafts projected at profile {profile}" if profile else ""))
-    # Warm-up: every path once on a few prompts (kernels, traces, allocator).
+    # Warm-up: every path once (kernels, traces, allocator). Batched paths
+    # warm with a full batch whose rows end one step apart, so every batch
+    # size from B down to 1 meets every draft width before the timed runs
+    # (a compiled head traces each [rows, width] once; on CUDA a first
+    # trace JIT-compiles its kernels).
     few = prompts[: min(4, len(prompts))]
     for b in args.batch_sizes:
+        rows = [prompts[i % len(prompts)] for i in range(b)]
         for k in [0, *args.draft_tokens]:
-            run_batched(engine, few, 4, b, k)
+            run_batched(engine, rows, [2 + i for i in range(b)], b, k)
     run_single(engine, few[:1], 4, 0)
     run_single(engine, few[:1], 4, args.single_k)
 

@@ -47,18 +47,25 @@ def test_converted_folder_loads_in_mlx_lm_and_the_engine(converted):
     assert (converted / MTP_FILE).exists()
 
 
-def test_lossless_per_converted_folder(converted, reference_factory):
-    engine = MTPEngine.load(converted)
-    reference = reference_factory(converted)
+def assert_chain_and_tree_lossless(folder, reference_factory, prompts: list[str], n_tokens: int) -> MTPEngine:
+    """Chain and tree decoding of a converted folder equal mlx-lm's greedy
+    decoding of it (its own classes, its own loader), with drafts accepted."""
+    engine = MTPEngine.load(folder)
+    reference = reference_factory(folder)
     accepted = 0
-    for prompt in PROMPTS[:6]:
+    for prompt in prompts:
         ids = engine.encode(prompt)
-        ref, gaps = reference.greedy(ids, 40)
+        ref, gaps = reference.greedy(ids, n_tokens)
         for mode in ("chain", "tree"):
-            result = engine.generate(ids, max_tokens=40, mode=mode)
-            check_against_reference(result, ref, gaps, engine.eos_token_ids, 40)
+            result = engine.generate(ids, max_tokens=n_tokens, mode=mode)
+            check_against_reference(result, ref, gaps, engine.eos_token_ids, n_tokens)
             accepted += result.stats.accepted
     assert accepted > 0
+    return engine
+
+
+def test_lossless_per_converted_folder(converted, reference_factory):
+    assert_chain_and_tree_lossless(converted, reference_factory, PROMPTS[:6], 40)
 
 
 def test_graft_equals_one_step_conversion(tmp_path, hub, converted):
@@ -118,19 +125,9 @@ def test_qwen35_conversion_keeps_the_head_and_is_lossless(tmp_path, reference_fa
     out = tmp_path / "q4"
     assert convert_main(["--hf-path", str(hub), "--mlx-path", str(out), "-q", "--q-bits", "4",
                          "--q-group-size", "32", "--mtp-bits", "8"]) == 0
-    engine = MTPEngine.load(out)
+    engine = assert_chain_and_tree_lossless(out, reference_factory, PROMPTS[:4], 32)
     assert isinstance(engine.checkpoint.head.fc, nn.QuantizedLinear) and engine.checkpoint.head.fc.bits == 8
     assert engine.model.layers[0].linear_attn.in_proj_qkv.bits == 4
-    reference = reference_factory(out)  # mlx-lm's own qwen3_5 classes on the converted folder
-    accepted = 0
-    for prompt in PROMPTS[:4]:
-        ids = engine.encode(prompt)
-        ref, gaps = reference.greedy(ids, 32)
-        for mode in ("chain", "tree"):
-            result = engine.generate(ids, max_tokens=32, mode=mode)
-            check_against_reference(result, ref, gaps, engine.eos_token_ids, 32)
-            accepted += result.stats.accepted
-    assert accepted > 0
     # A head from a Qwen3.5 model of another shape is refused.
     other = make_tiny_checkpoint(tmp_path / "other", tiny_qwen35_config(moe=moe, hidden_size=96), seed=3)
     with pytest.raises(CheckpointError, match=r"different model[\s\S]*hidden_size: 96"):
