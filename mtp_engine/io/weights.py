@@ -32,15 +32,17 @@ _ZERO_CENTRED = (
     "pre_fc_norm_embedding.weight",
     "pre_fc_norm_hidden.weight",
 )
-_FINAL_NORMS = ("model.norm.weight", "mtp.norm.weight", "norm.weight")
+# The head's final norm (as stored, and without its prefix) by name; the
+# trunk's by suffix: "model.norm.weight", Qwen3.5's "model.language_model.norm.weight".
+_HEAD_FINAL_NORMS = ("mtp.norm.weight", "norm.weight")
+_TRUNK_FINAL_NORM = "model.norm.weight"
 _FUSED_KEY = re.compile(r"^(.*\.mlp)\.experts\.(gate_up_proj|down_proj)$")
 _EXPERT_KEY = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
 _SWITCH_KEY = re.compile(r"^(.*\.mlp)\.switch_mlp\.(gate_proj|up_proj|down_proj)\.(weight|scales|biases)$")
 
 
 def _is_zero_centred(key: str) -> bool:
-    # "model.norm.weight" also ends Qwen3.5's "model.language_model.norm.weight".
-    return key.endswith(_ZERO_CENTRED) or key in _FINAL_NORMS or key.endswith("model.norm.weight")
+    return key.endswith((*_ZERO_CENTRED, _TRUNK_FINAL_NORM)) or key in _HEAD_FINAL_NORMS
 
 
 def read_safetensors_header(path: Path) -> dict:

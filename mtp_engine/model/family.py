@@ -87,23 +87,26 @@ def load_overrides(config: dict) -> dict | None:
     return None
 
 
+def _mlx_lm_args(config: dict):
+    """``(Model class, its arguments)`` as mlx-lm builds them for a config
+    (with `load_overrides`). A copy: mlx-lm's argument classes rewrite the
+    rope dict they are given."""
+    config = copy.deepcopy({**config, **(load_overrides(config) or {})})
+    model_class, args_class = model_classes(config)
+    return model_class, args_class.from_dict(config)
+
+
 def text_args(config: dict):
     """The text model's arguments as mlx-lm builds them (the MTP head is
     built from the same ones, so both agree on shapes and RoPE)."""
-    # A copy: mlx-lm's argument classes rewrite the rope dict they are given.
-    config = copy.deepcopy({**config, **(load_overrides(config) or {})})
-    _, args_class = model_classes(config)
-    args = args_class.from_dict(config)
-    if is_qwen3_5(config):
-        return qwen3_5.TextModelArgs.from_dict(args.text_config)
-    return args
+    _, args = _mlx_lm_args(config)
+    return qwen3_5.TextModelArgs.from_dict(args.text_config) if is_qwen3_5(config) else args
 
 
 def build_trunk(config: dict) -> nn.Module:
     """A fresh mlx-lm model for a Hub config (lazy random weights)."""
-    config = copy.deepcopy({**config, **(load_overrides(config) or {})})
-    model_class, args_class = model_classes(config)
-    return model_class(args_class.from_dict(config))
+    model_class, args = _mlx_lm_args(config)
+    return model_class(args)
 
 
 def language_model(model: nn.Module) -> nn.Module:

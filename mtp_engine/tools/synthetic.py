@@ -83,19 +83,15 @@ def qwen3_5_35b_a3b_config(**overrides) -> dict:
 
 # --synthetic names of the benchmark: full shapes, and small ones of the same
 # structure (smoke tests of the suites).
+_SMALL = dict(num_hidden_layers=4, hidden_size=512, vocab_size=4096, linear_num_key_heads=4,
+              linear_num_value_heads=8, num_attention_heads=4)
 SYNTHETIC = {
     "80b": lambda: qwen3_next_80b_config(),
-    "80b-small": lambda: qwen3_next_80b_config(
-        num_hidden_layers=4, num_experts=16, hidden_size=512, vocab_size=4096,
-        linear_num_key_heads=4, linear_num_value_heads=8, num_attention_heads=4),
+    "80b-small": lambda: qwen3_next_80b_config(**_SMALL, num_experts=16),
     "qwen3.5-27b": lambda: qwen3_5_27b_config(),
     "qwen3.5-35b-a3b": lambda: qwen3_5_35b_a3b_config(),
-    "qwen3.5-small": lambda: qwen3_5_27b_config(
-        num_hidden_layers=4, hidden_size=512, intermediate_size=1024, vocab_size=4096,
-        linear_num_key_heads=4, linear_num_value_heads=8, num_attention_heads=4),
-    "qwen3.5-moe-small": lambda: qwen3_5_35b_a3b_config(
-        num_hidden_layers=4, num_experts=16, hidden_size=512, vocab_size=4096,
-        linear_num_key_heads=4, linear_num_value_heads=8, num_attention_heads=4),
+    "qwen3.5-small": lambda: qwen3_5_27b_config(**_SMALL, intermediate_size=1024),
+    "qwen3.5-moe-small": lambda: qwen3_5_35b_a3b_config(**_SMALL, num_experts=16),
 }
 
 
