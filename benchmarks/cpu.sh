@@ -7,11 +7,13 @@
 #   bash benchmarks/cpu.sh lossless   # every mode vs mlx-lm greedy, both BLASes -> results/cpu-lossless*.json
 #   bash benchmarks/cpu.sh dataset    # over a dataset: plain, single chain, mlx-lm and our batching, batched
 #                                     # chains; all prompts, then the loop-free ones -> results/cpu-dataset*.json
+#   bash benchmarks/cpu.sh dataset-full  # all 287 prompts of examples/prompts.jsonl: plain, single chain K=4, plain
+#                                      # batching and batched chains K=2/3 at B=16/32 (~20 min) -> results/cpu-dataset-full.json
 #   bash benchmarks/cpu.sh sampling   # plain sampling vs both samplers, T=0.7 and 1.0 -> results/cpu-sampling.json
 set -euo pipefail
 py=${PY:-.venv/bin/python}
 results=benchmarks/results
-case "${1:?bench, lossless, dataset or sampling}" in
+case "${1:?bench, lossless, dataset, dataset-full or sampling}" in
   bench)
     $py -m mtp_engine.bench --json "$results/cpu-bench.json" ;;
   lossless)
@@ -22,6 +24,9 @@ case "${1:?bench, lossless, dataset or sampling}" in
       --single-k 4 --json "$results/cpu-dataset.json"
     $py -m mtp_engine.bench --suite dataset --limit 48 --max-tokens 128 --batch-sizes 16 32 --draft-tokens 2 3 \
       --single-k 4 --no-mlx-lm-batch --loop-free --json "$results/cpu-dataset-loop-free.json" ;;
+  dataset-full)
+    $py -m mtp_engine.bench --suite dataset --limit 287 --max-tokens 128 --batch-sizes 16 32 --draft-tokens 2 3 \
+      --single-k 4 --no-mlx-lm-batch --json "$results/cpu-dataset-full.json" ;;
   sampling)
     $py -m mtp_engine.bench --suite sampling --limit 12 --max-tokens 96 --rounds 1 --temperatures 0.7 1.0 \
       --sampling-k 2 3 4 --json "$results/cpu-sampling.json" ;;

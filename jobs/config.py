@@ -18,14 +18,17 @@ BATCHED_MODES = ("chain", "baseline", "batch")
 """Modes that decode several rows at once (`mtp_engine.batched`); "batch"
 is "baseline" under its older name, kept so older folders resume."""
 
-AUTO = {"cpu": ("chain", 2, 32), "gpu": ("chain", 3, 16)}
-"""What "auto" (the default mode) becomes on each MLX backend: (mode, K,
-batch size), from the dataset suite of the benchmark (docs/BENCHMARKS.md).
-CPU: batched chain K=2 at B=32 and plain batching at B=32 are level on the
-shipped model (589 and 598 tok/s, within this machine's noise). GPU:
-projected at profile 0.93,0.82,0.64 on the 80B-A3B shapes, batched chain
-K=3 at B=16 decodes 1.73x plain batching; on the launch-bound shipped model
-plain batching at B=32 is 7% faster (`--mode baseline --batch-size 32`)."""
+AUTO = {"cpu": ("baseline", None, 32), "gpu": ("baseline", None, 32)}
+"""What "auto" (the default mode) becomes on each MLX backend: (mode, K or
+None, batch size), the fastest measured over a dataset (docs/BENCHMARKS.md).
+Plain continuous batching at B=32 on both today. CPU, shipped model, all 287
+prompts of examples/prompts.jsonl: 654 tok/s against 565 for the best
+batched chain (B=16 K=2) and 371 for the single-sequence chain. H200: on the
+shipped model plain batching B=32 is 7% faster than the best batched chain;
+on the 80B-A3B shapes (1K-token prompts, 128 new tokens, projected at profile
+0.93,0.82,0.64) batched chain K=3 beats plain batching at B=8 (1.21x) but
+not at B=32 (0.93x), and plain batching at B=32 is the fastest of them.
+Batched speculation stays one flag away (``--mode chain --batch-size B``)."""
 AUTO_MODE = {backend: mode for backend, (mode, _, _) in AUTO.items()}
 
 SPEED_ONLY = ("mode", "draft_tokens", "paths", "tau", "batch_size")
@@ -192,7 +195,8 @@ class JobConfig:
         config = self
         if config.mode == "auto":
             mode, k, batch = AUTO.get(backend, AUTO["cpu"])
-            config = replace(config, mode=mode, draft_tokens=k, batch_size=config.batch_size or batch)
+            config = replace(config, mode=mode, draft_tokens=k or config.draft_tokens,
+                             batch_size=config.batch_size or batch)
         if config.batch_size is None:
             default = {"batch": 16}.get(config.mode) or (AUTO.get(backend, AUTO["cpu"])[2]
                                                          if config.mode in BATCHED_MODES else 1)

@@ -15,6 +15,7 @@ accepted pairs for the head.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,6 +113,11 @@ class MTPEngine:
         if mx.default_device() != mx.cpu:
             return FastPathStatus("cpu_blas", "unavailable", "not MLX's CPU backend")
         why = cpu_blas.unavailable_reason()
+        if why == cpu_blas.IMPORTED_TOO_LATE and self.options.cpu_blas:
+            # The one way to lose the route by accident, and CPU decoding
+            # runs several times slower without it.
+            warnings.warn(f"cpu_blas fast path unavailable: {why} (CPU decoding runs several times slower)",
+                          RuntimeWarning, stacklevel=4)  # the caller of MTPEngine.load
         if why is not None:
             state = "off" if why.startswith("off by") else "unavailable"
             return FastPathStatus("cpu_blas", state, why)

@@ -26,6 +26,8 @@ LIBRARY = "libmtp_cpu_blas.so"
 OPENBLAS = "openblas"
 BUNDLED = "bundled"
 
+IMPORTED_TOO_LATE = "mlx.core was imported before mtp_engine, so MLX bound its own BLAS; import mtp_engine first"
+
 _library: ctypes.CDLL | None = None
 _reason: str | None = "not tried yet"
 
@@ -52,7 +54,7 @@ def route_before_mlx(enabled: bool = True) -> None:
         _reason = f"not built ({path} missing); `make install` builds it"
         return
     if "mlx.core" in sys.modules:
-        _reason = "mlx.core was imported before mtp_engine, so MLX bound its own BLAS; import mtp_engine first"
+        _reason = IMPORTED_TOO_LATE
         return
     try:
         _library = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)

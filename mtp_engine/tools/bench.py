@@ -527,7 +527,10 @@ def main(argv=None) -> int:
     parser.add_argument("--sampling-k", type=int, nargs="+", default=[2, 3, 4], help="sampling suite: chain K")
     parser.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3, 4],
                         help="dataset suite: K of batched speculation")
-    parser.add_argument("--single-k", type=int, default=4, help="dataset suite: K of the single-sequence chain")
+    parser.add_argument("--single-k", type=int, nargs="+", default=[4],
+                        help="dataset suite: K of the single-sequence chain (one run each)")
+    parser.add_argument("--single-limit", type=int, default=None,
+                        help="dataset suite: time one-at-a-time decoding on the first N prompts only (slow models)")
     parser.add_argument("--acceptance-profile", default=None,
                         help="dataset suite: project drafts at this cumulative profile, e.g. 0.93,0.82,0.64 "
                         "(random-weight models)")

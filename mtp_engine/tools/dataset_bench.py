@@ -56,6 +56,7 @@ class Run:
             "mode": self.mode,
             "batch_size": self.batch_size,
             "draft_tokens": self.draft_tokens,
+            "prompts": len(self.outputs),
             "tokens": self.tokens,
             "tokens_per_s": round(self.tokens / self.seconds, 2),
             "decode_tokens_per_s": round(self.tokens / decode_s, 2),
@@ -69,6 +70,15 @@ class Run:
         if plain is not None:
             out["speedup_over_plain_one_at_a_time"] = round(out["tokens_per_s"] * plain.seconds / plain.tokens, 3)
         return out
+
+
+def _progress(run: Run) -> str:
+    """A timed run in one line (what a killed run still leaves in its log)."""
+    decode_s = max(run.seconds - run.prefill_seconds, 1e-9)
+    line = f"{run.tokens / run.seconds:.1f} tok/s (decode {run.tokens / decode_s:.1f})"
+    if run.draft_tokens:
+        line += f", acceptance {(run.accepted + run.steps) / max(run.steps, 1):.2f}"
+    return line + f", peak {run.peak_memory / 2**30:.2f} GB"
 
 
 def _projections(engine, n: int, references, profile) -> list:
@@ -202,10 +212,26 @@ def dataset_suite(engine, prompts, args, log) -> dict:
         for k in [0, *args.draft_tokens]:
             run_batched(engine, rows, [2 + i for i in range(b)], b, k)
     run_single(engine, few[:1], 4, 0)
-    run_single(engine, few[:1], 4, args.single_k)
+    for k in args.single_k:
+        run_single(engine, few[:1], 4, k)
 
-    plain = run_single(engine, prompts, args.max_tokens, 0)
-    looping = sum(find_loop(o) is not None for o in plain.outputs)
+    limit = getattr(args, "single_limit", None)
+    if limit and getattr(args, "loop_free", False):
+        raise SystemExit("--single-limit and --loop-free do not combine (loops are found in plain outputs)")
+    if limit and limit < len(prompts) and not args.batch_sizes:
+        raise SystemExit("--single-limit needs a --batch-sizes entry (plain batching decodes the other prompts' "
+                         "reference)")
+    single = prompts[:limit] if limit else prompts
+    plain = run_single(engine, single, args.max_tokens, 0)
+    # The reference every row is compared with (and projected drafts follow):
+    # plain decoding one at a time; past --single-limit, the first plain
+    # batching run (equal to it on CPU float32; on-device, near-ties aside).
+    reference = list(plain.outputs)
+    first_batch = None
+    if len(single) < len(prompts):
+        first_batch = run_batched(engine, prompts, args.max_tokens, args.batch_sizes[0], 0)
+        reference += first_batch.outputs[len(single):]
+    looping = sum(find_loop(o) is not None for o in reference)
     loops = {"prompts": len(prompts), "ending_in_a_loop": looping, "timed": "all prompts"}
     log(f"  {looping} of {len(prompts)} plain outputs end in a repeating loop")
     if getattr(args, "loop_free", False):
@@ -216,27 +242,39 @@ def dataset_suite(engine, prompts, args, log) -> dict:
             raise SystemExit("--loop-free: every plain output loops; use more prompts or tokens")
         loops["timed"] = f"the {len(prompts)} loop-free prompts"
         log(f"  timing the {len(prompts)} loop-free prompts only")
+        single = prompts
         plain = run_single(engine, prompts, args.max_tokens, 0)
-    references = plain.outputs if profile else None
+        reference = list(plain.outputs)
+    references = reference if profile else None
     parsed = parse_profile(profile) if profile else None
-    runs = [plain, run_single(engine, prompts, args.max_tokens, args.single_k, references, parsed)]
-    log(f"  plain one at a time {plain.tokens / plain.seconds:.1f} tok/s; single-sequence chain "
-        f"K={args.single_k} {runs[-1].tokens / runs[-1].seconds:.1f} tok/s")
+    runs = [plain]
+    for k in args.single_k:
+        runs.append(run_single(engine, single, args.max_tokens, k, references, parsed))
+        log(f"  single-sequence chain K={k}: {_progress(runs[-1])}")
+    log(f"  plain one at a time: {_progress(plain)}"
+        + (f" (the first {len(single)} prompts)" if len(single) < len(prompts) else ""))
     costs = {}
     for b in args.batch_sizes:
         if args.mlx_lm_batch:
             runs.append(run_mlx_lm(engine, prompts, args.max_tokens, b))
         for k in [0, *args.draft_tokens]:
-            runs.append(run_batched(engine, prompts, args.max_tokens, b, k, references, parsed))
+            if first_batch is not None and b == args.batch_sizes[0] and k == 0:
+                runs.append(first_batch)
+            else:
+                runs.append(run_batched(engine, prompts, args.max_tokens, b, k, references, parsed))
             r = runs[-1]
-            log(f"  B={b} {'K=' + str(k) if k else 'plain'}: {r.tokens / r.seconds:.1f} tok/s "
-                f"(decode {r.tokens / max(r.seconds - r.prefill_seconds, 1e-9):.1f})")
+            log(f"  B={b} {'K=' + str(k) if k else 'plain'}: {_progress(r)}")
         costs[b] = step_costs(engine, prompts, b, args.draft_tokens)
     for r in runs:
-        r.identical = sum(a == b for a, b in zip(r.outputs, plain.outputs))
+        r.identical = sum(a == b for a, b in zip(r.outputs, reference))
     rows = [r.row(plain, profile) for r in runs]
-    return {"settings": {"prompts": len(prompts), "max_tokens": args.max_tokens, "context": args.context,
-                         "acceptance_profile": profile}, "loops": loops, "dataset_runs": rows,
+    settings = {"prompts": len(prompts), "max_tokens": args.max_tokens, "context": args.context,
+                "acceptance_profile": profile}
+    if len(single) < len(prompts):
+        settings["single_sequence_prompts"] = len(single)
+        settings["reference"] = (f"plain decoding one at a time for the first {len(single)} prompts, plain "
+                                 f"batching at B={args.batch_sizes[0]} for the rest")
+    return {"settings": settings, "loops": loops, "dataset_runs": rows,
             "batched_cost_model": batched_cost_model(costs, rows)}
 
 

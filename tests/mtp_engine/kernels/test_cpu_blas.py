@@ -92,6 +92,17 @@ def test_when_the_route_cannot_be_set_up_the_reason_is_kept():
     assert blas == cpu_blas.BUNDLED and reason.startswith("mlx.core was imported before mtp_engine")
 
 
+def test_loading_an_engine_after_mlx_warns_that_the_route_is_lost(tiny_path):
+    # Importing MLX first is the one accidental way to lose the route (a
+    # several-fold slower CPU engine): loading says so, once per engine.
+    load = f"e = MTPEngine.load({str(tiny_path)!r})\n"
+    proc = run_python(["-c", "import mlx.core\nfrom mtp_engine import MTPEngine\n" + load])
+    assert proc.returncode == 0, proc.stderr
+    assert "RuntimeWarning: cpu_blas fast path unavailable: mlx.core was imported before mtp_engine" in proc.stderr
+    proc = run_python(["-c", "from mtp_engine import MTPEngine\nimport mlx.core\n" + load])
+    assert proc.returncode == 0 and "cpu_blas" not in proc.stderr, proc.stderr
+
+
 def test_the_route_switches_at_run_time(tiny_path):
     script = (
         "import mtp_engine, time\n"

@@ -67,3 +67,27 @@ def test_cost_model_prices_a_kernel_chain_as_one_launch():
     assert by_mode["chain-k8-mlxdraft"]["predicted_speedup"] == round(5.0 * 0.010 / (8 * 0.002 + 0.013), 3)
     assert cm["kernel_chain_ratio"] == {"4": 0.1, "8": 0.2}
     assert cm["chain_drafter"] == "cuda"
+
+
+def test_dataset_suite_times_one_at_a_time_on_the_first_prompts_only(tmp_path, tiny_path):
+    # A slow model's dataset run: one-at-a-time decoding on the first 2 of 4
+    # prompts, chains at two depths, drafts projected at a profile; every
+    # row still equals the reference (plain decoding, then plain batching).
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def add(a, b):", "Hello", "class A:", "x = "]))
+    out = tmp_path / "bench.json"
+    code = main(["--model", str(tiny_path), "--prompts", str(prompts), "--suite", "dataset", "--limit", "4",
+                 "--max-tokens", "6", "--batch-sizes", "2", "--draft-tokens", "2", "--single-k", "1", "3",
+                 "--single-limit", "2", "--acceptance-profile", "0.9,0.5", "--no-mlx-lm-batch", "--json", str(out)])
+    assert code == 0
+    run = json.loads(out.read_text())  # one context: its report at the top level
+    assert run["settings"]["single_sequence_prompts"] == 2
+    assert "plain batching at B=2" in run["settings"]["reference"]
+    rows = {(r["mode"], r["draft_tokens"]): r for r in run["dataset_runs"]}
+    assert set(rows) == {("plain, one at a time", 0), ("single-sequence chain", 1), ("single-sequence chain", 3),
+                         ("plain batching", 0), ("batched chain", 2)}
+    for (mode, _), r in rows.items():
+        n = 2 if mode in ("plain, one at a time", "single-sequence chain") else 4
+        assert r["prompts"] == n and r["identical"] == f"{n}/{n}"
+        if r["draft_tokens"]:
+            assert r["projected_at_profile"] == "0.9,0.5"
