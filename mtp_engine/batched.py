@@ -47,6 +47,13 @@ from schemas.records import GenerationResult, GenerationStats
 
 BATCH_MODES = ("baseline", "chain")
 
+PHASES = ("prefill", "head_prefill", "join", "draft", "verify", "head_commit", "leave")
+"""What `BatchedDecoder` can time: a joining row's trunk prefill, the head's
+prefill over its prompt (the C++ drafter takes a prompt's pairs in its
+first draft instead), adding it to the batch's caches; drafting; the verify
+forward with acceptance and the trunk caches' commit; the head's commit;
+dropping the rows that finished."""
+
 
 @dataclass
 class _Row:
@@ -83,13 +90,18 @@ class BatchedDecoder:
             head), "mlx", "cpp", or a batched drafter object
             (`mtp_engine.drafters.batched`).
         label: The mode the results' statistics name (default ``mode``).
+        phase_seconds: A dict to add each phase's seconds to (see
+            `PHASES`), or None (the default: nothing timed). Timing
+            evaluates and synchronizes after every phase, so work that
+            would overlap runs in turn: for finding where time goes, not
+            for throughput.
 
     Use `add` to queue prompts and call `step` until `pending` is 0; each
     step returns the ``(key, result)`` pairs that finished.
     """
 
     def __init__(self, engine, batch_size: int = 8, mode: str = "chain", draft_tokens: int = 3,
-                 drafter="auto", label: str | None = None):
+                 drafter="auto", label: str | None = None, phase_seconds: dict | None = None):
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if mode not in BATCH_MODES:
@@ -106,6 +118,8 @@ class BatchedDecoder:
         self.rows: list[_Row] = []
         self.queue: list[_Queued] = []
         self.single_keys: set = set()  # keys added with one SamplingParams (not a list): results keyed as given
+        self.phase_seconds = phase_seconds
+        self._lap_start = 0.0
 
     def _make_drafter(self, choice):
         if not isinstance(choice, str):
@@ -173,18 +187,22 @@ class BatchedDecoder:
         if not self.rows:
             return finished
         depth = min(self.k, max(r.finisher.remaining for r in self.rows) - 1)
+        self._lap(None)
         t0 = time.perf_counter()
         params = [r.sampling for r in self.rows]
         starts = [len(r.finisher.tokens) for r in self.rows]  # the generated position verify column 0 predicts
         drafts = self.drafter.draft(depth, params, starts) if depth > 0 else None  # [B, depth]
         if drafts is not None and any(r.projection is not None for r in self.rows):
             drafts = self._project(drafts)
+        if drafts is not None:
+            self._lap("draft", drafts)
         t1 = time.perf_counter()
         # A row near its budget uses only the drafts it can emit, as a
         # sequence of its own would draft (the rejection sampler's tokens
         # depend on how many drafts precede a position).
         uses = [min(depth, r.finisher.remaining - 1) for r in self.rows]
         emitted, hidden = self._verify(drafts, params, starts, uses)
+        self._lap("verify", states=True)
         t2 = time.perf_counter()
         done = []
         for b, (row, tokens) in enumerate(zip(self.rows, emitted)):
@@ -202,10 +220,29 @@ class BatchedDecoder:
                 done.append(b)
         if depth:
             self.drafter.commit(hidden, emitted)
+            self._lap("head_commit")
         if done:
             finished += [(self.rows[b].key, self._result(self.rows[b])) for b in done]
             self._keep([b for b in range(len(self.rows)) if b not in set(done)])
+            self._lap("leave", states=True)
         return finished
+
+    def _lap(self, phase: str | None, *arrays, states: bool = False) -> None:
+        """With `phase_seconds`: evaluate ``arrays`` (and with ``states`` the
+        batch's caches), wait for the device and charge the time since the
+        last lap to ``phase`` (None: start)."""
+        if self.phase_seconds is None:
+            return
+        mx.eval(*arrays, *(self._states() if states else ()))
+        mx.synchronize()
+        now = time.perf_counter()
+        if phase is not None:
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + now - self._lap_start
+        self._lap_start = now
+
+    def _states(self) -> list:
+        """The batch's cache arrays (what a lap evaluates after a commit)."""
+        return [a for c in self.caches for a in c.state if a is not None]
 
     def _project(self, drafts: mx.array) -> mx.array:
         """Drafts replaced at the rows' acceptance profiles (the head's were
@@ -261,9 +298,11 @@ class BatchedDecoder:
                 break
             self.queue.pop(0)
             engine = self.engine
+            self._lap(None)
             t0 = time.perf_counter()
             caches = make_main_cache(engine.model)
             hidden, logits = engine.prefill(q.prompt, caches, keep_hidden=self.k > 0)
+            self._lap("prefill")
             prefill_s = (time.perf_counter() - t0) / len(samples)
             firsts = choose(mx.concatenate([logits] * len(samples)), samples,
                             mx.zeros((len(samples), 1), dtype=mx.int32)).tolist()  # generated position 0
@@ -280,8 +319,10 @@ class BatchedDecoder:
                     finished.append((key, self._result(row)))
                     continue
                 append_row(self.caches, caches, len(self.rows))
+                self._lap("join", states=True)
                 if self.drafter is not None:
                     self.drafter.add_row(hidden, q.prompt[1:] + [x])
+                    self._lap("head_prefill")
                 self.rows.append(row)
             self.single_keys.discard(q.key)
         return finished

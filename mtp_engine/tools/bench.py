@@ -531,6 +531,9 @@ def main(argv=None) -> int:
                         help="dataset suite: K of the single-sequence chain (one run each)")
     parser.add_argument("--single-limit", type=int, default=None,
                         help="dataset suite: time one-at-a-time decoding on the first N prompts only (slow models)")
+    parser.add_argument("--phase-times", action="store_true",
+                        help="dataset suite: time each phase of batched runs (prefill, head prefill, join, draft, "
+                        "verify, head commit, leave), synchronizing after each (slower: for finding where time goes)")
     parser.add_argument("--acceptance-profile", default=None,
                         help="dataset suite: project drafts at this cumulative profile, e.g. 0.93,0.82,0.64 "
                         "(random-weight models)")

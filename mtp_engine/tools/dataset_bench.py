@@ -49,6 +49,7 @@ class Run:
     peak_memory: int = 0
     identical: int = 0
     outputs: list = field(default_factory=list)
+    phase_seconds: dict | None = None
 
     def row(self, plain: "Run | None", profile: str | None) -> dict:
         decode_s = max(self.seconds - self.prefill_seconds, 1e-9)
@@ -67,6 +68,8 @@ class Run:
         }
         if profile and self.draft_tokens:
             out["projected_at_profile"] = profile
+        if self.phase_seconds is not None:
+            out["phase_seconds"] = {k: round(v, 3) for k, v in self.phase_seconds.items()}
         if plain is not None:
             out["speedup_over_plain_one_at_a_time"] = round(out["tokens_per_s"] * plain.seconds / plain.tokens, 3)
         return out
@@ -78,7 +81,10 @@ def _progress(run: Run) -> str:
     line = f"{run.tokens / run.seconds:.1f} tok/s (decode {run.tokens / decode_s:.1f})"
     if run.draft_tokens:
         line += f", acceptance {(run.accepted + run.steps) / max(run.steps, 1):.2f}"
-    return line + f", peak {run.peak_memory / 2**30:.2f} GB"
+    line += f", peak {run.peak_memory / 2**30:.2f} GB"
+    if run.phase_seconds:
+        line += "; seconds " + ", ".join(f"{k} {v:.2f}" for k, v in run.phase_seconds.items())
+    return line
 
 
 def _projections(engine, n: int, references, profile) -> list:
@@ -89,11 +95,15 @@ def _projections(engine, n: int, references, profile) -> list:
     return [ProjectedDrafts(profile, ref, vocab, seed=i) for i, ref in enumerate(references)]
 
 
-def run_batched(engine, prompts, max_tokens: int | list[int], batch_size, k, references=None, profile=None) -> Run:
+def run_batched(engine, prompts, max_tokens: int | list[int], batch_size, k, references=None, profile=None,
+                phases: bool = False) -> Run:
     """The prompt set through `BatchedDecoder` (k = 0: plain batching);
-    ``max_tokens`` for every prompt or one per prompt."""
-    run = Run("batched chain" if k else "plain batching", batch_size, k)
-    decoder = BatchedDecoder(engine, batch_size, "chain" if k else "baseline", k or 3)
+    ``max_tokens`` for every prompt or one per prompt; ``phases``: time
+    each phase of the decoder (`mtp_engine.batched.PHASES`), synchronizing
+    after each."""
+    run = Run("batched chain" if k else "plain batching", batch_size, k, phase_seconds={} if phases else None)
+    decoder = BatchedDecoder(engine, batch_size, "chain" if k else "baseline", k or 3,
+                             phase_seconds=run.phase_seconds)
     projections = _projections(engine, len(prompts), references if k else None, profile)
     for i, ids in enumerate(prompts):
         budget = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
@@ -216,6 +226,7 @@ def dataset_suite(engine, prompts, args, log) -> dict:
         run_single(engine, few[:1], 4, k)
 
     limit = getattr(args, "single_limit", None)
+    phases = getattr(args, "phase_times", False)
     if limit and getattr(args, "loop_free", False):
         raise SystemExit("--single-limit and --loop-free do not combine (loops are found in plain outputs)")
     if limit and limit < len(prompts) and not args.batch_sizes:
@@ -229,7 +240,7 @@ def dataset_suite(engine, prompts, args, log) -> dict:
     reference = list(plain.outputs)
     first_batch = None
     if len(single) < len(prompts):
-        first_batch = run_batched(engine, prompts, args.max_tokens, args.batch_sizes[0], 0)
+        first_batch = run_batched(engine, prompts, args.max_tokens, args.batch_sizes[0], 0, phases=phases)
         reference += first_batch.outputs[len(single):]
     looping = sum(find_loop(o) is not None for o in reference)
     loops = {"prompts": len(prompts), "ending_in_a_loop": looping, "timed": "all prompts"}
@@ -261,7 +272,7 @@ def dataset_suite(engine, prompts, args, log) -> dict:
             if first_batch is not None and b == args.batch_sizes[0] and k == 0:
                 runs.append(first_batch)
             else:
-                runs.append(run_batched(engine, prompts, args.max_tokens, b, k, references, parsed))
+                runs.append(run_batched(engine, prompts, args.max_tokens, b, k, references, parsed, phases))
             r = runs[-1]
             log(f"  B={b} {'K=' + str(k) if k else 'plain'}: {_progress(r)}")
         costs[b] = step_costs(engine, prompts, b, args.draft_tokens)

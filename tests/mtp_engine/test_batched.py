@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 
 from mtp_engine import MTPEngine
-from mtp_engine.batched import BatchedDecoder
+from mtp_engine.batched import PHASES, BatchedDecoder
 from mtp_engine.io.tiny import tiny_config
 from mtp_engine.projection import ProjectedDrafts, parse_profile
 from tests.conftest import PROMPTS
@@ -186,6 +187,30 @@ def test_projected_drafts_keep_the_output_and_follow_the_profile(models):
     assert single.tokens == refs[0][: len(single.tokens)] and single.stats.acceptance_length > 2
     with pytest.raises(ValueError, match="non-increasing"):
         parse_profile("0.5,0.9")
+
+
+@pytest.mark.parametrize("drafter", ["mlx", "cpp"])
+def test_phase_timing_accounts_for_a_run_and_changes_no_token(models, drafter):
+    # Timing every phase (for finding where time goes) evaluates and waits
+    # after each; the rows' tokens stay the same, and the phases cover the
+    # run: each one is charged, none twice.
+    engine, _ = models["l4_fai4_kv2_e4k2"]
+    if drafter == "cpp" and engine.drafters.cpp is None:
+        pytest.skip("the C++ drafter is not built")
+    prompts = [engine.encode(p) for p in PROMPTS] + [engine.encode(LONG)]
+    plain = engine.generate_batch(prompts, batch_size=3, max_tokens=12, draft_tokens=3, drafter=drafter)
+    phases: dict = {}
+    decoder = BatchedDecoder(engine, 3, "chain", 3, drafter=drafter, phase_seconds=phases)
+    for i, ids in enumerate(prompts):
+        decoder.add(i, ids, max_tokens=12)
+    results, start = {}, time.perf_counter()
+    while decoder.pending:
+        results.update(decoder.step())
+    wall = time.perf_counter() - start
+    assert [results[i].tokens for i in range(len(prompts))] == [r.tokens for r in plain]
+    expected = set(PHASES) - ({"head_prefill"} if drafter == "cpp" else set())  # C++: prompt pairs in the first draft
+    assert set(phases) <= set(PHASES) and expected <= set(phases)
+    assert all(v > 0 for v in phases.values()) and sum(phases.values()) <= wall
 
 
 def test_plain_batched_decoding_is_batch_mode(models):
