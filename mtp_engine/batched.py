@@ -233,16 +233,12 @@ class BatchedDecoder:
         last lap to ``phase`` (None: start)."""
         if self.phase_seconds is None:
             return
-        mx.eval(*arrays, *(self._states() if states else ()))
+        mx.eval(*arrays, [c.state for c in self.caches] if states else [])
         mx.synchronize()
         now = time.perf_counter()
         if phase is not None:
             self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + now - self._lap_start
         self._lap_start = now
-
-    def _states(self) -> list:
-        """The batch's cache arrays (what a lap evaluates after a commit)."""
-        return [a for c in self.caches for a in c.state if a is not None]
 
     def _project(self, drafts: mx.array) -> mx.array:
         """Drafts replaced at the rows' acceptance profiles (the head's were

@@ -77,11 +77,11 @@ class Run:
 
 def _progress(run: Run) -> str:
     """A timed run in one line (what a killed run still leaves in its log)."""
-    decode_s = max(run.seconds - run.prefill_seconds, 1e-9)
-    line = f"{run.tokens / run.seconds:.1f} tok/s (decode {run.tokens / decode_s:.1f})"
-    if run.draft_tokens:
-        line += f", acceptance {(run.accepted + run.steps) / max(run.steps, 1):.2f}"
-    line += f", peak {run.peak_memory / 2**30:.2f} GB"
+    r = run.row(None, None)
+    line = f"{r['tokens_per_s']:.1f} tok/s (decode {r['decode_tokens_per_s']:.1f})"
+    if r["acceptance_length"]:
+        line += f", acceptance {r['acceptance_length']:.2f}"
+    line += f", peak {r['peak_memory_gb']:.2f} GB"
     if run.phase_seconds:
         line += "; seconds " + ", ".join(f"{k} {v:.2f}" for k, v in run.phase_seconds.items())
     return line
