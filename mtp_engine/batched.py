@@ -126,14 +126,14 @@ class BatchedDecoder:
             return choice
         engine = self.engine
         cpp = engine.drafters.cpp
-        if choice == "cpp":
+        if choice == "cpp" or (choice == "auto" and cpp is not None):
             if cpp is None:
                 raise ValueError("no C++ drafter: it drafts on the CPU backend when _mtp_cpp_drafter is built")
             return BatchedCppDrafter(cpp)
         if choice not in ("auto", "mlx"):
             raise ValueError(f"drafter must be 'auto', 'mlx' or 'cpp' for batched decoding, got {choice!r}")
         return BatchedMLXDrafter(engine.checkpoint.head, engine.model.model.embed_tokens, engine.lm_head,
-                                 engine.prefill_step_size, compiled=engine.drafters.mlx.compiled)
+                                 engine.prefill_step_size)
 
     @property
     def pending(self) -> int:

@@ -26,9 +26,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -116,6 +118,24 @@ class DraftSession : public std::enable_shared_from_this<DraftSession> {
   // normed hidden of the last row to `m` and its logits to `logits`.
   void forward(const float* hidden, const std::vector<int>& tokens, float* m, float* logits);
 
+  // One forward for several sessions of one head: session s runs the next
+  // counts[s] rows of (hidden, tokens) at its next positions. Every product
+  // takes all rows at once (each weight is streamed once per tile of rows,
+  // not once per session); each row's arithmetic is the one forward() gives
+  // it alone. Writes session s's last-row normed hidden to m[s * dim] and its
+  // logits to logits[s * vocab].
+  static void forward_many(const std::vector<DraftSession*>& sessions, const std::vector<int>& counts,
+                           const float* hidden, const std::vector<int>& tokens, float* m, float* logits);
+
+  // Greedy chains of k drafts for several sessions at once: each consumes its
+  // pending pairs (as forward_many), then drafts k tokens, one forward_many
+  // per draft position; session s's drafts go to out[s * k ..].
+  static void greedy_many(const std::vector<DraftSession*>& sessions, const std::vector<int>& counts,
+                          const float* hidden, const std::vector<int>& tokens, int k, int32_t* out);
+
+  // Sessions from which greedy_many drafts each half on its own thread.
+  static constexpr size_t kSplitSessions = 4;
+
   // Consume the pending pairs, then draft greedily: up to `k` tokens, stopping
   // early once the running product of top-1 probabilities is below `tau`
   // (tau 0: always k). Returns the drafts and each one's probability.
@@ -129,6 +149,14 @@ class DraftSession : public std::enable_shared_from_this<DraftSession> {
   // build the verify forward on top of it meanwhile. The array keeps the
   // session alive; leave the session alone until the array is evaluated.
   mx::array draft_lazy(const mx::array& hidden, const std::vector<int>& tokens, int k, int row);
+
+  // Lazy greedy chains of k drafts for several sessions of one head, drafted
+  // together (`forward_many`): session s consumes the pairs
+  // (hiddens[sources[s]][rows[s], j], tokens[s][j]). A [sessions, k] int32
+  // array; the sessions are left alone until it is evaluated.
+  static mx::array draft_batch(const std::vector<std::shared_ptr<DraftSession>>& sessions,
+                               const std::vector<mx::array>& hiddens, const std::vector<int>& sources,
+                               const std::vector<int>& rows, const std::vector<std::vector<int>>& tokens, int k);
 
   // The work of draft() and of a lazy chain, without their checks: consume
   // the pairs, then draft greedily, up to k tokens, stopping early once the
@@ -151,8 +179,9 @@ class DraftSession : public std::enable_shared_from_this<DraftSession> {
   // evaluated first if it is not yet).
   std::vector<float> rows_of(const mx::array& hidden, const std::vector<int>& tokens, int row) const;
   void reserve(int positions);
-  // x[rows] += the MoE block of a[rows] (normed inputs).
-  void moe(const HeadLayer& L, const float* a, int rows, float* x) const;
+  // greedy_many's work on one thread.
+  static void greedy_group(const std::vector<DraftSession*>& sessions, const std::vector<int>& counts,
+                           const float* hidden, const std::vector<int>& tokens, int k, int32_t* out);
 
   std::shared_ptr<const DraftHead> owner_;
   const DraftHead& head_;
@@ -255,8 +284,9 @@ static void rope(float* x, int dims, const std::vector<float>& inv_freq, float p
   }
 }
 
-void DraftSession::moe(const HeadLayer& L, const float* a, int rows, float* x) const {
-  const HeadConfig& c = head_.config();
+// x[rows] += the MoE block of a[rows] (normed inputs).
+static void moe(const DraftHead& head, const HeadLayer& L, const float* a, int rows, float* x) {
+  const HeadConfig& c = head.config();
   const int dim = c.dim, sd = c.shared_dim, ed = c.expert_dim;
   // The shared expert and its sigmoid gate, all rows at once.
   std::vector<float> g(static_cast<size_t>(rows) * std::max(sd, ed)), u(g.size()), y(static_cast<size_t>(rows) * dim),
@@ -310,52 +340,86 @@ void DraftSession::moe(const HeadLayer& L, const float* a, int rows, float* x) c
 }
 
 void DraftSession::forward(const float* hidden, const std::vector<int>& tokens, float* m, float* logits) {
-  const HeadConfig& c = head_.config();
-  const int rows = static_cast<int>(tokens.size());
+  forward_many({this}, {static_cast<int>(tokens.size())}, hidden, tokens, m, logits);
+}
+
+void DraftSession::forward_many(const std::vector<DraftSession*>& sessions, const std::vector<int>& counts,
+                                const float* hidden, const std::vector<int>& tokens, float* m, float* logits) {
+  const DraftHead& head = sessions.at(0)->head_;
+  const HeadConfig& c = head.config();
+  int rows = static_cast<int>(tokens.size());
   const int dim = c.dim, hd = c.head_dim, q_out = c.heads * hd, kv_out = c.kv_heads * hd;
-  const int start = offset_;
-  reserve(start + rows);
+  // Row r belongs to session owner[r], at that session's position pos[r].
+  std::vector<int> owner(rows), pos(rows), last(sessions.size());
+  int r0 = 0, visible_max = 0;
+  for (size_t s = 0; s < sessions.size(); s++) {
+    DraftSession& S = *sessions[s];
+    S.reserve(S.offset_ + counts[s]);
+    for (int j = 0; j < counts[s]; j++, r0++) {
+      owner[r0] = static_cast<int>(s);
+      pos[r0] = S.offset_ + j;
+    }
+    last[s] = r0 - 1;
+    visible_max = std::max(visible_max, S.offset_ + counts[s]);
+  }
 
   std::vector<float> both(static_cast<size_t>(rows) * 2 * dim), x(static_cast<size_t>(rows) * dim);
   for (int r = 0; r < rows; r++) {
     const int t = tokens[r];  // in the vocabulary: checked by every entry point (check_pairs)
-    rms_norm(head_.embed + static_cast<size_t>(t) * dim, head_.norm_e, c.eps, dim, &both[(size_t)r * 2 * dim]);
-    rms_norm(hidden + static_cast<size_t>(r) * dim, head_.norm_h, c.eps, dim, &both[(size_t)r * 2 * dim + dim]);
+    rms_norm(head.embed + static_cast<size_t>(t) * dim, head.norm_e, c.eps, dim, &both[(size_t)r * 2 * dim]);
+    rms_norm(hidden + static_cast<size_t>(r) * dim, head.norm_h, c.eps, dim, &both[(size_t)r * 2 * dim + dim]);
   }
-  linear(head_.fc, dim, 2 * dim, both.data(), rows, x.data());
+  linear(head.fc, dim, 2 * dim, both.data(), rows, x.data());
 
   std::vector<float> a(static_cast<size_t>(rows) * dim), qg(static_cast<size_t>(rows) * 2 * q_out),
       k(static_cast<size_t>(rows) * kv_out), v(static_cast<size_t>(rows) * kv_out),
-      attn(static_cast<size_t>(rows) * q_out), o(static_cast<size_t>(rows) * dim), scores(start + rows);
+      attn(static_cast<size_t>(rows) * q_out), o(static_cast<size_t>(rows) * dim), scores(visible_max);
   const int group = c.heads / c.kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
 
   for (int li = 0; li < c.layers; li++) {
-    const HeadLayer& L = head_.layers[li];
+    const HeadLayer& L = head.layers[li];
     for (int r = 0; r < rows; r++) rms_norm(&x[(size_t)r * dim], L.in_norm, c.eps, dim, &a[(size_t)r * dim]);
-    linear(L.q, 2 * q_out, dim, a.data(), rows, qg.data());
     linear(L.k, kv_out, dim, a.data(), rows, k.data());
     linear(L.v, kv_out, dim, a.data(), rows, v.data());
-    float* K = keys_[li].data();
-    float* V = values_[li].data();
     for (int r = 0; r < rows; r++) {
-      const float pos = static_cast<float>(start + r) * c.rope_scale;
+      DraftSession& S = *sessions[owner[r]];
+      float* K = S.keys_[li].data();
+      float* V = S.values_[li].data();
+      const float position = static_cast<float>(pos[r]) * c.rope_scale;
       for (int h = 0; h < c.kv_heads; h++) {
-        float* kh = &K[((size_t)(start + r) * c.kv_heads + h) * hd];
+        float* kh = &K[((size_t)pos[r] * c.kv_heads + h) * hd];
         rms_norm(&k[(size_t)r * kv_out + h * hd], L.k_norm, c.eps, hd, kh);
-        rope(kh, c.rope_dims, head_.inv_freq, pos);
-        std::memcpy(&V[((size_t)(start + r) * c.kv_heads + h) * hd], &v[(size_t)r * kv_out + h * hd],
-                    sizeof(float) * hd);
+        rope(kh, c.rope_dims, head.inv_freq, position);
+        std::memcpy(&V[((size_t)pos[r] * c.kv_heads + h) * hd], &v[(size_t)r * kv_out + h * hd], sizeof(float) * hd);
       }
     }
+    if (li == c.layers - 1 && rows > static_cast<int>(sessions.size())) {
+      // Past the last layer's cache writes only each session's last row is
+      // read (its hidden and logits): the rest of the layer runs on those.
+      for (size_t s = 0; s < sessions.size(); s++) {
+        const int r = last[s];
+        std::memmove(&x[s * dim], &x[(size_t)r * dim], sizeof(float) * dim);
+        std::memmove(&a[s * dim], &a[(size_t)r * dim], sizeof(float) * dim);
+        owner[s] = owner[r];
+        pos[s] = pos[r];
+        last[s] = static_cast<int>(s);
+      }
+      rows = static_cast<int>(sessions.size());
+      x.resize(static_cast<size_t>(rows) * dim);
+    }
+    linear(L.q, 2 * q_out, dim, a.data(), rows, qg.data());
     for (int r = 0; r < rows; r++) {
-      const int visible = start + r + 1;  // causal: positions 0..start+r
-      const float pos = static_cast<float>(start + r) * c.rope_scale;
+      DraftSession& S = *sessions[owner[r]];
+      const float* K = S.keys_[li].data();
+      const float* V = S.values_[li].data();
+      const int visible = pos[r] + 1;  // causal: the session's positions 0..pos[r]
+      const float position = static_cast<float>(pos[r]) * c.rope_scale;
       for (int h = 0; h < c.heads; h++) {
         float q[512];  // head_dim <= 512 (checked at construction)
         // q_proj's output per head is [query (hd), gate (hd)].
         rms_norm(&qg[(size_t)r * 2 * q_out + (size_t)h * 2 * hd], L.q_norm, c.eps, hd, q);
-        rope(q, c.rope_dims, head_.inv_freq, pos);
+        rope(q, c.rope_dims, head.inv_freq, position);
         // scores = scale * q K^T over the visible positions; out = softmax(scores) V.
         const int kvh = h / group, stride = c.kv_heads * hd;
         mtp_few_rows_sgemm(111, 112, 1, visible, hd, scale, q, hd, &K[(size_t)kvh * hd], stride, 0.0f,
@@ -375,11 +439,69 @@ void DraftSession::forward(const float* hidden, const std::vector<int>& tokens, 
     for (size_t i = 0; i < x.size(); i++) x[i] += o[i];
 
     for (int r = 0; r < rows; r++) rms_norm(&x[(size_t)r * dim], L.post_norm, c.eps, dim, &a[(size_t)r * dim]);
-    moe(L, a.data(), rows, x.data());
+    moe(head, L, a.data(), rows, x.data());
   }
-  offset_ = start + rows;
-  rms_norm(&x[(size_t)(rows - 1) * dim], head_.norm, c.eps, dim, m);
-  linear(head_.lm_head, c.vocab, dim, m, 1, logits);
+  for (size_t s = 0; s < sessions.size(); s++) {
+    sessions[s]->offset_ += counts[s];
+    rms_norm(&x[(size_t)last[s] * dim], head.norm, c.eps, dim, m + s * dim);
+  }
+  linear(head.lm_head, c.vocab, dim, m, static_cast<int>(sessions.size()), logits);
+}
+
+void DraftSession::greedy_many(const std::vector<DraftSession*>& sessions, const std::vector<int>& counts,
+                               const float* hidden, const std::vector<int>& tokens, int k, int32_t* out) {
+  const size_t half = sessions.size() / 2;
+  if (half < kSplitSessions) {
+    greedy_group(sessions, counts, hidden, tokens, k, out);
+    return;
+  }
+  // MLX's CPU stream runs on one thread: the second half of the sessions
+  // drafts on another, meanwhile. The halves share no state.
+  size_t pairs = 0;
+  for (size_t s = 0; s < half; s++) pairs += counts[s];
+  const int dim = sessions[0]->head_.config().dim;
+  const std::vector<DraftSession*> first(sessions.begin(), sessions.begin() + half),
+      second(sessions.begin() + half, sessions.end());
+  const std::vector<int> first_counts(counts.begin(), counts.begin() + half),
+      second_counts(counts.begin() + half, counts.end()), first_tokens(tokens.begin(), tokens.begin() + pairs),
+      second_tokens(tokens.begin() + pairs, tokens.end());
+  std::exception_ptr failed;
+  std::thread other([&]() {
+    try {
+      greedy_group(second, second_counts, hidden + pairs * dim, second_tokens, k, out + half * k);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  });
+  try {
+    greedy_group(first, first_counts, hidden, first_tokens, k, out);
+  } catch (...) {
+    other.join();
+    throw;
+  }
+  other.join();
+  if (failed) std::rethrow_exception(failed);
+}
+
+void DraftSession::greedy_group(const std::vector<DraftSession*>& sessions, const std::vector<int>& counts,
+                                const float* hidden, const std::vector<int>& tokens, int k, int32_t* out) {
+  const HeadConfig& c = sessions.at(0)->head_.config();
+  const size_t n = sessions.size();
+  std::vector<float> m(n * c.dim), next(n * c.dim), logits(n * c.vocab);
+  std::vector<int> chosen(n);
+  const std::vector<int> ones(n, 1);
+  forward_many(sessions, counts, hidden, tokens, m.data(), logits.data());
+  for (int j = 0; j < k; j++) {
+    if (j > 0) {
+      forward_many(sessions, ones, m.data(), chosen, next.data(), logits.data());
+      std::swap(m, next);
+    }
+    for (size_t s = 0; s < n; s++) {
+      const float* l = &logits[s * c.vocab];
+      chosen[s] = static_cast<int>(std::max_element(l, l + c.vocab) - l);
+      out[s * k + j] = chosen[s];
+    }
+  }
 }
 
 // The softmax probability of logits[best], the largest logit.
@@ -484,46 +606,82 @@ std::tuple<std::vector<float>, std::vector<float>> DraftSession::logits(const mx
   return {m, logits};
 }
 
-class DraftChain : public mx::Primitive {
+// Greedy chains of k drafts for one or more sessions, run on MLX's CPU
+// stream when evaluated: session s reads its pending pairs from row rows[s]
+// of input sources[s]. Output [sessions, k] int32.
+class DraftChains : public mx::Primitive {
  public:
-  DraftChain(mx::Stream stream, std::shared_ptr<DraftSession> session, std::vector<int> tokens, int k, int row,
-             int dim)
-      : mx::Primitive(stream), session_(std::move(session)), tokens_(std::move(tokens)), k_(k), row_(row),
-        dim_(dim) {}
+  DraftChains(mx::Stream stream, std::vector<std::shared_ptr<DraftSession>> sessions, std::vector<int> sources,
+              std::vector<int> rows, std::vector<std::vector<int>> tokens, int k, int dim)
+      : mx::Primitive(stream), sessions_(std::move(sessions)), sources_(std::move(sources)), rows_(std::move(rows)),
+        tokens_(std::move(tokens)), k_(k), dim_(dim) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
-    auto& hidden = inputs[0];
     auto& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& encoder = mx::cpu::get_command_encoder(stream());
-    encoder.set_input_array(hidden);
+    for (const auto& in : inputs) encoder.set_input_array(in);
     encoder.set_output_array(out);
-    encoder.dispatch([session = session_, tokens = tokens_, k = k_, row = row_, dim = dim_, hidden,
-                      o = out.data<int32_t>()]() {
-      std::vector<float> rows(tokens.size() * dim);
-      read_rows(hidden, row, static_cast<int>(tokens.size()), dim, rows.data());
-      const std::vector<int> drafts = session->greedy(rows.data(), tokens, k, 0.0f, nullptr);
-      std::copy(drafts.begin(), drafts.end(), o);
+    encoder.dispatch([sessions = sessions_, sources = sources_, rows = rows_, tokens = tokens_, k = k_, dim = dim_,
+                      inputs, o = out.data<int32_t>()]() {
+      std::vector<int> counts, flat;
+      for (const auto& t : tokens) {
+        counts.push_back(static_cast<int>(t.size()));
+        flat.insert(flat.end(), t.begin(), t.end());
+      }
+      std::vector<float> pairs(flat.size() * dim);
+      size_t at = 0;
+      std::vector<DraftSession*> raw;
+      for (size_t s = 0; s < sessions.size(); s++) {
+        read_rows(inputs[sources[s]], rows[s], counts[s], dim, &pairs[at * dim]);
+        at += counts[s];
+        raw.push_back(sessions[s].get());
+      }
+      DraftSession::greedy_many(raw, counts, pairs.data(), flat, k, o);
     });
   }
   void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
     throw std::runtime_error("draft chains run on the CPU only");
   }
-  const char* name() const override { return "DraftChain"; }
+  const char* name() const override { return "DraftChains"; }
   bool is_equivalent(const mx::Primitive&) const override { return false; }  // it has side effects
 
  private:
-  std::shared_ptr<DraftSession> session_;
-  std::vector<int> tokens_;
-  int k_, row_, dim_;
+  std::vector<std::shared_ptr<DraftSession>> sessions_;
+  std::vector<int> sources_, rows_;
+  std::vector<std::vector<int>> tokens_;
+  int k_, dim_;
 };
 
 mx::array DraftSession::draft_lazy(const mx::array& hidden, const std::vector<int>& tokens, int k, int row) {
+  return draft_batch({shared_from_this()}, {hidden}, {0}, {row}, {tokens}, k);
+}
+
+mx::array DraftSession::draft_batch(const std::vector<std::shared_ptr<DraftSession>>& sessions,
+                                    const std::vector<mx::array>& hiddens, const std::vector<int>& sources,
+                                    const std::vector<int>& rows, const std::vector<std::vector<int>>& tokens, int k) {
   if (k < 1) throw std::invalid_argument("k must be >= 1, got " + std::to_string(k));
-  check_pairs(hidden, tokens, row);
-  auto s = mx::default_stream(mx::Device::cpu);
-  return mx::array({1, k}, mx::int32,
-                   std::make_shared<DraftChain>(s, shared_from_this(), tokens, k, row, head_.config().dim), {hidden});
+  const size_t n = sessions.size();
+  if (n == 0) throw std::invalid_argument("no sessions to draft for");
+  if (sources.size() != n || rows.size() != n || tokens.size() != n) {
+    throw std::invalid_argument("sources, rows and tokens need one entry per session (" + std::to_string(n) + ")");
+  }
+  for (size_t s = 0; s < n; s++) {
+    const DraftSession& S = *sessions[s];
+    if (&S.head_ != &sessions[0]->head_) throw std::invalid_argument("sessions of different heads");
+    for (size_t t = 0; t < s; t++) {
+      if (sessions[t] == sessions[s]) throw std::invalid_argument("session " + std::to_string(s) + " repeats");
+    }
+    if (sources[s] < 0 || sources[s] >= static_cast<int>(hiddens.size())) {
+      throw std::invalid_argument("source " + std::to_string(sources[s]) + " of " + std::to_string(hiddens.size()) +
+                                  " hiddens");
+    }
+    S.check_pairs(hiddens[sources[s]], tokens[s], rows[s]);
+  }
+  auto stream = mx::default_stream(mx::Device::cpu);
+  const int dim = sessions[0]->head_.config().dim;
+  return mx::array({static_cast<int>(n), k}, mx::int32,
+                   std::make_shared<DraftChains>(stream, sessions, sources, rows, tokens, k, dim), hiddens);
 }
 
 }  // namespace mtp
@@ -553,6 +711,8 @@ NB_MODULE(_mtp_cpp_drafter, m) {
       .def("draft", &mtp::DraftSession::draft, "hidden"_a, "tokens"_a, "k"_a, "tau"_a = 0.0f, "row"_a = 0)
       .def("logits", &mtp::DraftSession::logits, "hidden"_a, "tokens"_a, "row"_a = 0)
       .def("draft_lazy", &mtp::DraftSession::draft_lazy, "hidden"_a, "tokens"_a, "k"_a, "row"_a = 0);
+  m.def("draft_batch", &mtp::DraftSession::draft_batch, "sessions"_a, "hiddens"_a, "sources"_a, "rows"_a, "tokens"_a,
+        "k"_a, "Lazy greedy chains of k drafts for several sessions of one head, drafted together: [sessions, k] int32");
   nb::class_<mtp::DraftHead>(m, "DraftHead")
       .def(nb::new_([](std::unordered_map<std::string, mlx::core::array> weights, const mtp::HeadConfig& config) {
              return std::make_shared<mtp::DraftHead>(std::move(weights), config);

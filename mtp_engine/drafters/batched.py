@@ -7,7 +7,8 @@ step's accepted tokens against the trunk's true hiddens). Two drafters:
   draft position (the first over every row's pending pairs, right-padded to
   the longest; the padding becomes holes of its `BatchKVCache`).
 - `BatchedCppDrafter`: the C++ head, one session per row (its own KV cache,
-  nothing ragged), each chain a lazy primitive on MLX's CPU stream.
+  nothing ragged), every row's chain drafted in one lazy primitive on MLX's
+  CPU stream (each product of the head over all rows at once).
 
 Both take rows as they join (`add_row`, after the row's prefill), drop the
 rows that leave (`filter`), draft ``[B, k]`` (`draft`) and queue each row's
@@ -22,7 +23,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtp_engine.cache.batch import BatchKVCache
-from mtp_engine.drafters.compiled_head import MAX_COMPILED_WIDTH, CompiledHead
 from mtp_engine.drafters.cpp_head import CppDrafter
 from mtp_engine.model.mtp_head import MTPHead
 from mtp_engine.sampling import SamplingParams, draft_choice
@@ -46,20 +46,20 @@ class BatchedMLXDrafter:
         head: The `MTPHead`; embed: the trunk's embedding; lm_head: hiddens
             to logits.
         prefill_step_size: Pairs per forward of a joining row's head prefill.
-        compiled: The head's `CompiledHead` (draft forwards in compiled
-            pieces), or None for eager forwards.
+
+    Its forwards run eagerly. The single-sequence drafter's compiled pieces
+    (`mtp_engine.drafters.compiled_head`) trace once per input shape, and a
+    batch meets a new ``[rows, width]`` whenever rows leave or accept
+    different counts; on CUDA each trace JIT-compiles its kernels.
     """
 
     name = "mlx"
 
-    def __init__(self, head: MTPHead, embed: nn.Module, lm_head, prefill_step_size: int = 2048,
-                 compiled: CompiledHead | None = None):
+    def __init__(self, head: MTPHead, embed: nn.Module, lm_head, prefill_step_size: int = 2048):
         self.head = head
         self.embed = embed
         self.lm_head = lm_head
         self.prefill_step_size = prefill_step_size
-        self.compiled = compiled
-        self._greedy = mx.compile(lambda m: mx.argmax(lm_head(m), axis=-1).astype(mx.int32))
         self.q_scaled: mx.array | None = None
         self.cache = [BatchKVCache() for _ in head.layers]
         self.pending: list[_Pending] = []
@@ -150,10 +150,11 @@ class BatchedMLXDrafter:
             self.q_scaled = mx.concatenate(scaled, axis=1)  # [B, k, V]
         return mx.concatenate(drafts, axis=1)
 
+    def _greedy(self, m: mx.array) -> mx.array:
+        return mx.argmax(self.lm_head(m), axis=-1).astype(mx.int32)
+
     def _forward(self, hidden: mx.array, ids: mx.array) -> mx.array:
         """The head's final-normed hiddens over ``[B, L]`` pairs."""
-        if self.compiled is not None and ids.shape[1] <= MAX_COMPILED_WIDTH:
-            return self.compiled.hiddens(hidden, ids, self.cache)
         return self.head(hidden, self.embed(ids), self.cache)
 
     def commit(self, hidden: mx.array, emitted: list[list[int]]) -> None:
@@ -192,7 +193,7 @@ class BatchedCppDrafter:
         if params is not None and not all(p.greedy for p in params):
             raise ValueError("the C++ drafter drafts greedily; sampling drafts with the MLX head")
         self.q_scaled = None
-        return mx.concatenate([self.cpp.draft(s, k) for s in self.states], axis=0)
+        return self.cpp.draft_batch(self.states, k)
 
     def commit(self, hidden: mx.array, emitted: list[list[int]]) -> None:
         for row, (state, tokens) in enumerate(zip(self.states, emitted)):

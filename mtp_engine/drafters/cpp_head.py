@@ -128,6 +128,32 @@ class CppDrafter:
         mx.async_eval(drafts)
         return drafts
 
+    def draft_batch(self, states: list[CppDraftState], k: int) -> mx.array:
+        """K greedy drafts for each of several generations, ``[len(states),
+        k]`` int32, drafted together: every product of the head takes all
+        their rows at once (each weight is read once per tile of rows, not
+        once per generation). Each row's drafts are the ones `draft` gives
+        it alone. Lazy on the CPU backend, as `draft`."""
+        if k < 1:
+            raise ValueError(f"a chain draft needs k >= 1 tokens, got {k}")
+        hiddens, sources, rows, tokens = [], [], [], []
+        for state in states:
+            hidden, row, pairs = self._pending(state)
+            for i, h in enumerate(hiddens):
+                if h is hidden:
+                    break
+            else:
+                i = len(hiddens)
+                hiddens.append(hidden)
+            sources.append(i)
+            rows.append(row)
+            tokens.append(pairs)
+        drafts = extension().draft_batch([s.session for s in states], hiddens, sources, rows, tokens, k)
+        if mx.default_device() != mx.cpu:  # drafted at once, as `draft` does on a GPU
+            return mx.array(drafts.tolist(), dtype=mx.int32)
+        mx.async_eval(drafts)
+        return drafts
+
     def draft_adaptive(self, state: CppDraftState, depth_max: int, tau: float) -> list[int]:
         """Greedy chain that stops once the running product of top-1
         probabilities falls below ``tau``; 1..depth_max tokens."""

@@ -45,6 +45,7 @@ class Run:
     seconds: float = 0.0
     prefill_seconds: float = 0.0
     steps: int = 0
+    batch_steps: int = 0  # decoder steps (batched runs)
     accepted: int = 0
     peak_memory: int = 0
     identical: int = 0
@@ -63,6 +64,7 @@ class Run:
             "decode_tokens_per_s": round(self.tokens / decode_s, 2),
             "prefill_share": round(self.prefill_seconds / self.seconds, 3),
             "acceptance_length": round((self.accepted + self.steps) / self.steps, 3) if self.draft_tokens else None,
+            "batch_steps": self.batch_steps or None,
             "identical": f"{self.identical}/{len(self.outputs)}",
             "peak_memory_gb": round(self.peak_memory / 2**30, 3),
         }
@@ -83,7 +85,7 @@ def _progress(run: Run) -> str:
         line += f", acceptance {r['acceptance_length']:.2f}"
     line += f", peak {r['peak_memory_gb']:.2f} GB"
     if run.phase_seconds:
-        line += "; seconds " + ", ".join(f"{k} {v:.2f}" for k, v in run.phase_seconds.items())
+        line += f"; {run.batch_steps} steps, seconds " + ", ".join(f"{k} {v:.2f}" for k, v in run.phase_seconds.items())
     return line
 
 
@@ -113,6 +115,7 @@ def run_batched(engine, prompts, max_tokens: int | list[int], batch_size, k, ref
     t = time.perf_counter()
     while decoder.pending:
         results.update(decoder.step())
+        run.batch_steps += 1
     run.seconds = time.perf_counter() - t
     run.peak_memory = mx.get_peak_memory()
     _collect(run, [results[i] for i in range(len(prompts))])
@@ -213,9 +216,8 @@ def dataset_suite(engine, prompts, args, log) -> dict:
     # Warm-up: every path once (kernels, traces, allocator). Batched paths
     # warm with a full batch whose rows end one step apart, so every batch
     # size from B down to 1 meets every draft width before the timed runs
-    # (a compiled head traces each [rows, width] once; on CUDA a first
-    # trace JIT-compiles its kernels). Short prompts: what is traced does
-    # not depend on the context length.
+    # (on CUDA, a kernel's first use JIT-compiles it). Short prompts: which
+    # kernels run does not depend on the context length.
     few = prompts[: min(4, len(prompts))]
     for b in args.batch_sizes:
         rows = [prompts[i % len(prompts)][-32:] for i in range(b)]

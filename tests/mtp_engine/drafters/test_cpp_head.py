@@ -90,6 +90,49 @@ def test_chain_and_adaptive_drafts_equal_the_mlx_drafters(engines, name):
             assert native.draft_adaptive(s_nat, 6, tau) == engine.drafters.mlx.draft_adaptive(s_mlx, 6, tau)
 
 
+@pytest.mark.parametrize("name", ["default", "two_mtp_layers"])
+def test_drafting_several_generations_together_drafts_what_each_drafts_alone(engines, name):
+    engine = engines[name]
+    native = engine.drafters.cpp
+    # Nine: from eight on, each half of the generations drafts on a thread of its own.
+    texts = ("class Point:", "for i in range(10):\n    print(i)", "Hello", "import os", "x = 1", "def f(a):",
+             "while True:\n    pass", "# a comment", "print('hi')")
+    prompts = [prompt_hidden(engine, t) for t in texts]
+    alone, together = [native.new_state() for _ in texts], [native.new_state() for _ in texts]
+    for states in (alone, together):
+        for state, (ids, hidden) in zip(states, prompts):
+            native.set_pending(state, hidden, ids[1:] + [7])  # prompts of different lengths, own arrays
+    want = [native.draft(s, 4).tolist()[0] for s in alone]
+    got = native.draft_batch(together, 4)
+    assert got.shape == (len(texts), 4) and got.tolist() == want
+    assert [s.session.offset for s in together] == [s.session.offset for s in alone]
+    # Next round: every generation's pairs from one verify-like [B, W, dim]
+    # array, a different row and count each.
+    dim = engine.model.args.hidden_size
+    verify = mx.random.normal((len(texts), 3, dim), key=mx.random.key(1))
+    for b, states in enumerate((alone, together)):
+        for row, state in enumerate(states):
+            native.commit(state, verify, [11 + row, 5, 9][: 1 + row % 3], row=row)  # different counts
+    want = [native.draft(s, 3).tolist()[0] for s in alone]
+    assert native.draft_batch(together, 3).tolist() == want
+
+
+def test_drafting_together_names_bad_input(tiny_engine):
+    native = tiny_engine.drafters.cpp
+    ext = cpp_head.extension()
+    ids, hidden = prompt_hidden(tiny_engine, "Hello")
+    a, b = native.new_state(), native.new_state()
+    with pytest.raises(ValueError, match="session 1 repeats"):
+        ext.draft_batch([a.session, a.session], [hidden], [0, 0], [0, 0], [ids, ids], 2)
+    with pytest.raises(ValueError, match="one entry per session"):
+        ext.draft_batch([a.session, b.session], [hidden], [0], [0, 0], [ids, ids], 2)
+    with pytest.raises(ValueError, match="source 1 of 1 hiddens"):
+        ext.draft_batch([a.session, b.session], [hidden], [0, 1], [0, 0], [ids, ids], 2)
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        ext.draft_batch([a.session, b.session], [hidden], [0, 0], [0, 0], [ids, ids], 0)
+    assert a.session.offset == b.session.offset == 0  # nothing was written
+
+
 @pytest.mark.parametrize("mode, k", [("chain", 3), ("chain", 4), ("adaptive", 5)])
 def test_decoding_with_cpp_drafts_equals_plain_decoding(tiny_path, mode, k):
     engine = MTPEngine.load(tiny_path)
