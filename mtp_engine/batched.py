@@ -32,10 +32,13 @@ from typing import Hashable
 import mlx.core as mx
 
 from mtp_engine.cache.batch import (
+    BatchKVCache,
     append_row,
     commit_rows,
     filter_rows,
     make_batch_cache,
+    replace_row,
+    trim_leading,
 )
 from mtp_engine.cache.capture import StateCaptureCache, make_main_cache
 from mtp_engine.drafters.batched import BatchedCppDrafter, BatchedMLXDrafter
@@ -223,8 +226,7 @@ class BatchedDecoder:
             self._lap("head_commit")
         if done:
             finished += [(self.rows[b].key, self._result(self.rows[b])) for b in done]
-            self._keep([b for b in range(len(self.rows)) if b not in set(done)])
-            self._lap("leave", states=True)
+            finished += self._refill(done)
         return finished
 
     def _lap(self, phase: str | None, *arrays, states: bool = False) -> None:
@@ -288,39 +290,73 @@ class BatchedDecoder:
         with n samples needs n places, or an empty batch)."""
         finished = []
         while self.queue:
-            q = self.queue[0]
-            samples = q.samples or [GREEDY]
-            if self.rows and len(self.rows) + len(samples) > self.batch_size:
+            samples = len(self.queue[0].samples or (None,))
+            if self.rows and len(self.rows) + samples > self.batch_size:
                 break
-            self.queue.pop(0)
-            engine = self.engine
+            finished += self._join(self.queue.pop(0), [])
+        return finished
+
+    def _refill(self, done: list[int]) -> list[tuple[Hashable, GenerationResult]]:
+        """The rows ``done`` leave: queued prompts take their places while
+        they fit (each joining row writes only its own slice of the
+        batch's caches), the places left over are dropped."""
+        free = list(done)
+        finished = []
+        while free and self.queue and len(self.queue[0].samples or (None,)) <= len(free):
+            finished += self._join(self.queue.pop(0), free)
+        if len(free) < len(done):
             self._lap(None)
-            t0 = time.perf_counter()
-            caches = make_main_cache(engine.model)
-            hidden, logits = engine.prefill(q.prompt, caches, keep_hidden=self.k > 0)
-            self._lap("prefill")
-            prefill_s = (time.perf_counter() - t0) / len(samples)
-            firsts = choose(mx.concatenate([logits] * len(samples)), samples,
-                            mx.zeros((len(samples), 1), dtype=mx.int32)).tolist()  # generated position 0
-            for j, (params, (x,)) in enumerate(zip(samples, firsts)):
-                key = q.key if q.samples is None or q.key in self.single_keys else (q.key, j)
-                stats = GenerationStats(mode=self.label, prompt_tokens=len(q.prompt), draft_tokens=self.k, paths=1,
-                                        temperature=params.temperature,
-                                        seed=None if params.greedy else params.seed, prefill_s=prefill_s)
-                stats.histogram = [0] * (self.k + 1) if self.k else []
-                finisher = Finisher(engine.tokenizer, engine.eos_token_ids, q.max_tokens, q.stop)
-                row = _Row(key, q.prompt, finisher, stats, x, params, q.projection)
-                finisher.add([x])
-                if finisher.done:
-                    finished.append((key, self._result(row)))
-                    continue
-                append_row(self.caches, caches, len(self.rows))
-                self._lap("join", states=True)
-                if self.drafter is not None:
-                    self.drafter.add_row(hidden, q.prompt[1:] + [x])
-                    self._lap("head_prefill")
+            trim_leading(self.caches, BatchKVCache.step)  # entries only rows that left attended
+            self._lap("join", states=True)
+        if free:
+            self._keep([b for b in range(len(self.rows)) if b not in set(free)])
+            self._lap("leave", states=True)
+        return finished
+
+    def _join(self, q: _Queued, free: list[int]) -> list[tuple[Hashable, GenerationResult]]:
+        """Prefill one queued prompt; each of its rows takes a place from
+        ``free`` (popped) or joins at the end. Returns rows that finished
+        with their first token."""
+        finished = []
+        samples = q.samples or [GREEDY]
+        engine = self.engine
+        self._lap(None)
+        t0 = time.perf_counter()
+        caches = make_main_cache(engine.model)
+        hidden, logits = engine.prefill(q.prompt, caches, keep_hidden=self.k > 0)
+        self._lap("prefill")
+        prefill_s = (time.perf_counter() - t0) / len(samples)
+        firsts = choose(mx.concatenate([logits] * len(samples)), samples,
+                        mx.zeros((len(samples), 1), dtype=mx.int32)).tolist()  # generated position 0
+        for j, (params, (x,)) in enumerate(zip(samples, firsts)):
+            key = q.key if q.samples is None or q.key in self.single_keys else (q.key, j)
+            stats = GenerationStats(mode=self.label, prompt_tokens=len(q.prompt), draft_tokens=self.k, paths=1,
+                                    temperature=params.temperature,
+                                    seed=None if params.greedy else params.seed, prefill_s=prefill_s)
+            stats.histogram = [0] * (self.k + 1) if self.k else []
+            finisher = Finisher(engine.tokenizer, engine.eos_token_ids, q.max_tokens, q.stop)
+            row = _Row(key, q.prompt, finisher, stats, x, params, q.projection)
+            finisher.add([x])
+            if finisher.done:
+                finished.append((key, self._result(row)))
+                continue
+            pairs = q.prompt[1:] + [x]
+            if free:
+                slot = free.pop(0)
+                replace_row(self.caches, caches, slot)
+                self.rows[slot] = row
+            else:
+                slot = len(self.rows)
+                append_row(self.caches, caches, slot)
                 self.rows.append(row)
-            self.single_keys.discard(q.key)
+            self._lap("join", states=True)
+            if self.drafter is not None:
+                if slot < self.drafter.rows:
+                    self.drafter.replace_row(slot, hidden, pairs)
+                else:
+                    self.drafter.add_row(hidden, pairs)
+                self._lap("head_prefill")
+        self.single_keys.discard(q.key)
         return finished
 
     def _keep(self, rows: list[int]) -> None:

@@ -14,8 +14,9 @@ own accepted prefix. Two cache kinds follow that:
   forward captures per-token states for every row, and `commit_rows` takes,
   per row, the state after that row's last accepted input (one gather).
 
-Rows join (`BatchKVCache.add_row`, ``StateCaptureCache.extend``) after their
-own prefill and leave (``filter``) between steps.
+Rows join (`append_row`) after their own prefill and leave (`filter_rows`)
+between steps; a joining row can take the place of one that left
+(`replace_row`), which writes only its own slice.
 """
 
 from __future__ import annotations
@@ -150,6 +151,41 @@ class BatchKVCache:
             self._shift_to(length, keys, values)
         self._append(keys, values, length)
 
+    def replace_row(self, row: int, keys: mx.array, values: mx.array, length: int) -> None:
+        """Put a prefilled row (as `add_row` takes it) in place of row
+        ``row``, one that left: its entries end at ``idx`` like every row's,
+        and the old row's all become holes. Only that row's slice is
+        written, where `filter` and `add_row` would copy every row."""
+        if not 0 <= row < len(self.positions):
+            raise ValueError(f"row {row} of a batch of {len(self.positions)}")
+        if length == 0 or keys is None:  # a row with no entries yet
+            length = 0
+        else:
+            keys, values = keys[..., :length, :], values[..., :length, :]
+            if length > self.idx:
+                self._shift_to(length, keys, values)
+            pad = self.idx - length
+            self.keys[row : row + 1, :, pad : self.idx, :] = keys.astype(self.keys.dtype)
+            self.values[row : row + 1, :, pad : self.idx, :] = values.astype(self.values.dtype)
+        pad = self.idx - length
+        if self.valid is not None:
+            self.valid[row : row + 1, : self.idx] = (mx.arange(self.idx) >= pad)[None]
+        self.positions[row] = length
+        if pad:
+            self.holes = True
+
+    def trim_leading(self, least: int = 1) -> None:
+        """Drop the leading entries that every row has as holes, if there
+        are at least ``least`` of them (dropping copies every row's entries)."""
+        if self.keys is None or not self.idx:
+            return
+        lead = int(mx.argmax(mx.any(self.valid[:, : self.idx], axis=0)).item())
+        if lead >= least:
+            self.keys, self.values = self.keys[..., lead:, :], self.values[..., lead:, :]
+            self.valid = self.valid[:, lead:]
+            self.idx -= lead
+        self.holes = bool((~self.valid[:, : self.idx]).any().item()) if self.idx else False
+
     def _shift_to(self, idx: int, keys: mx.array, values: mx.array) -> None:
         """Move the write index up to ``idx``; the rows so far get holes."""
         if self.keys is None:
@@ -200,13 +236,7 @@ class BatchKVCache:
             self.keys = self.values = self.valid = None
             self.idx, self.holes = 0, False
             return
-        # Leading entries that every remaining row has as holes go.
-        lead = int(mx.argmax(mx.any(self.valid[:, : self.idx], axis=0)).item()) if self.idx else 0
-        if lead:
-            self.keys, self.values = self.keys[..., lead:, :], self.values[..., lead:, :]
-            self.valid = self.valid[:, lead:]
-            self.idx -= lead
-        self.holes = bool((~self.valid[:, : self.idx]).any().item()) if self.idx else False
+        self.trim_leading()  # leading entries that every remaining row has as holes go
 
 
 def single_to_batch(cache: KVCache) -> BatchKVCache:
@@ -281,6 +311,25 @@ def append_row(batch: list, row: list, rows_before: int) -> None:
             b.cache = list(r.cache)
         else:
             b.cache = [mx.concatenate([x, y]) for x, y in zip(b.cache, r.cache)]
+
+
+def replace_row(batch: list, row: list, slot: int) -> None:
+    """Put one prefilled row (batch-of-one caches from `make_main_cache`)
+    in place of row ``slot`` of the batch's caches, one that left."""
+    for b, r in zip(batch, row):
+        if isinstance(b, BatchKVCache):
+            b.replace_row(slot, r.keys, r.values, r.offset)
+        else:
+            for x, y in zip(b.cache, r.cache):
+                x[slot : slot + 1] = y
+            b.clear_captured()
+
+
+def trim_leading(batch: list, least: int) -> None:
+    """`BatchKVCache.trim_leading` for every attention cache of the batch."""
+    for c in batch:
+        if isinstance(c, BatchKVCache):
+            c.trim_leading(least)
 
 
 def filter_rows(batch: list, rows: list[int]) -> None:

@@ -10,8 +10,9 @@ step's accepted tokens against the trunk's true hiddens). Two drafters:
   nothing ragged), every row's chain drafted in one lazy primitive on MLX's
   CPU stream (each product of the head over all rows at once).
 
-Both take rows as they join (`add_row`, after the row's prefill), drop the
-rows that leave (`filter`), draft ``[B, k]`` (`draft`) and queue each row's
+Both take rows as they join (`add_row`, after the row's prefill, or
+`replace_row` in the place of one that left), drop the rows that leave
+(`filter`), draft ``[B, k]`` (`draft`) and queue each row's
 accepted pairs (`commit`).
 """
 
@@ -72,6 +73,23 @@ class BatchedMLXDrafter:
     def add_row(self, prompt_hidden: mx.array, tokens: list[int]) -> None:
         """A joining row: the head consumes its prompt's pairs
         ``(prompt_hidden[0, j], tokens[j])`` but the last, which stays pending."""
+        for c, o in zip(self.cache, self._prefill(prompt_hidden, tokens)):
+            c.add_row(o.keys, o.values, o.idx)
+        n = len(tokens) - 1
+        self.pending.append(_Pending(prompt_hidden[:, n : n + 1], [tokens[n:]], [1]))
+
+    def replace_row(self, row: int, prompt_hidden: mx.array, tokens: list[int]) -> None:
+        """`add_row` in place of row ``row``, one that left."""
+        for c, o in zip(self.cache, self._prefill(prompt_hidden, tokens)):
+            c.replace_row(row, o.keys, o.values, o.idx)
+        hidden, pending, counts = self._gather_pending()
+        n = len(tokens) - 1
+        hidden[row : row + 1, :1] = prompt_hidden[:, n : n + 1].astype(hidden.dtype)
+        pending[row], counts[row] = tokens[n:], 1
+        self.pending = [_Pending(hidden, pending, counts)]
+
+    def _prefill(self, prompt_hidden: mx.array, tokens: list[int]) -> list[BatchKVCache]:
+        """The head's caches of one row after its prompt's pairs but the last."""
         own = [BatchKVCache(1) for _ in self.head.layers]
         n = len(tokens) - 1
         ids = mx.array(tokens[:-1])[None]
@@ -79,9 +97,7 @@ class BatchedMLXDrafter:
             end = min(start + self.prefill_step_size, n)
             self.head(prompt_hidden[:, start:end], self.embed(ids[:, start:end]), own)
             mx.eval([c.state for c in own])
-        for c, o in zip(self.cache, own):
-            c.add_row(o.keys, o.values, o.idx)
-        self.pending.append(_Pending(prompt_hidden[:, n : n + 1], [tokens[n:]], [1]))
+        return own
 
     def filter(self, rows: list[int]) -> None:
         for c in self.cache:
@@ -185,6 +201,11 @@ class BatchedCppDrafter:
         state = self.cpp.new_state()
         self.cpp.set_pending(state, prompt_hidden, tokens)
         self.states.append(state)
+
+    def replace_row(self, row: int, prompt_hidden: mx.array, tokens: list[int]) -> None:
+        state = self.cpp.new_state()
+        self.cpp.set_pending(state, prompt_hidden, tokens)
+        self.states[row] = state
 
     def filter(self, rows: list[int]) -> None:
         self.states = [self.states[r] for r in rows]
