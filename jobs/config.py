@@ -18,17 +18,24 @@ BATCHED_MODES = ("chain", "baseline", "batch")
 """Modes that decode several rows at once (`mtp_engine.batched`); "batch"
 is "baseline" under its older name, kept so older folders resume."""
 
-AUTO = {"cpu": ("baseline", None, 32), "gpu": ("baseline", None, 32)}
-"""What "auto" (the default mode) becomes on each MLX backend: (mode, K or
-None, batch size), the fastest measured over a dataset (docs/BENCHMARKS.md).
-Plain continuous batching at B=32 on both today. CPU, shipped model, all 287
-prompts of examples/prompts.jsonl: 654 tok/s against 565 for the best
-batched chain (B=16 K=2) and 371 for the single-sequence chain. H200: on the
-shipped model plain batching B=32 is 7% faster than the best batched chain;
-on the 80B-A3B shapes (1K-token prompts, 128 new tokens, projected at profile
-0.93,0.82,0.64) batched chain K=3 beats plain batching at B=8 (1.21x) but
-not at B=32 (0.93x), and plain batching at B=32 is the fastest of them.
-Batched speculation stays one flag away (``--mode chain --batch-size B``)."""
+AUTO = {"cpu": ("chain", 2, 32), "gpu": ("baseline", None, 32)}
+"""What "auto" (the default mode) becomes on each MLX backend for a greedy
+job: (mode, K or None, batch size), the fastest measured over a dataset
+(docs/BENCHMARKS.md). CPU, shipped model, all 287 prompts of
+examples/prompts.jsonl: batched chain B=32 K=2 861 tok/s against 797 for
+plain batching at its best (B=64) and 425 for the single-sequence chain
+(loop-driven; over the 13 loop-free prompts 1.03x plain batching). H200:
+plain batching B=32, 7% ahead of the best batched chain on the shipped
+model and ahead at B=32 on the 80B-A3B shapes (1K-token prompts, projected
+at profile 0.93,0.82,0.64), where batched chain K=3 wins only at B=8."""
+
+AUTO_SAMPLED = ("baseline", None, 32)
+"""What "auto" becomes for a job that samples (temperature above 0) on any
+backend: plain batching. Sampled batched chains on this CPU (96 prompts,
+B=32, exact sampler) ran at 0.65x / 0.58x plain batching's rate at T = 0.7 /
+1.0: away from greedy loops the shipped model's head is right about once in
+two drafts."""
+
 AUTO_MODE = {backend: mode for backend, (mode, _, _) in AUTO.items()}
 
 SPEED_ONLY = ("mode", "draft_tokens", "paths", "tau", "batch_size")
@@ -194,7 +201,7 @@ class JobConfig:
         ``backend``, and an unset batch size by its default."""
         config = self
         if config.mode == "auto":
-            mode, k, batch = AUTO.get(backend, AUTO["cpu"])
+            mode, k, batch = AUTO_SAMPLED if config.temperature > 0 else AUTO.get(backend, AUTO["cpu"])
             config = replace(config, mode=mode, draft_tokens=k or config.draft_tokens,
                              batch_size=config.batch_size or batch)
         if config.batch_size is None:

@@ -89,9 +89,9 @@ class BatchedDecoder:
         mode: "chain" (K drafts per row and step) or "baseline" (plain
             batched decoding).
         draft_tokens: K.
-        drafter: "auto" (the C++ head where the engine has it, else the MLX
-            head), "mlx", "cpp", or a batched drafter object
-            (`mtp_engine.drafters.batched`).
+        drafter: "auto" (the C++ head where the engine has it, until the
+            first sampled row; else the MLX head), "mlx", "cpp", or a
+            batched drafter object (`mtp_engine.drafters.batched`).
         label: The mode the results' statistics name (default ``mode``).
         phase_seconds: A dict to add each phase's seconds to (see
             `PHASES`), or None (the default: nothing timed). Timing
@@ -117,6 +117,10 @@ class BatchedDecoder:
         self.label = label or mode
         self.k = draft_tokens if mode == "chain" else 0
         self.drafter = self._make_drafter(drafter) if self.k else None
+        # "auto" drafts with the C++ head where there is one; it drafts
+        # greedily, so the first sampled row switches to the MLX head (once
+        # the rows in flight have finished: see `_may_join`).
+        self._switch_for_sampling = drafter == "auto" and isinstance(self.drafter, BatchedCppDrafter)
         self.caches = make_batch_cache(engine.model)
         self.rows: list[_Row] = []
         self.queue: list[_Queued] = []
@@ -136,7 +140,7 @@ class BatchedDecoder:
         if choice not in ("auto", "mlx"):
             raise ValueError(f"drafter must be 'auto', 'mlx' or 'cpp' for batched decoding, got {choice!r}")
         return BatchedMLXDrafter(engine.checkpoint.head, engine.model.model.embed_tokens, engine.lm_head,
-                                 engine.prefill_step_size)
+                                 engine.prefill_step_size, compiled=engine.drafters.mlx.compiled)
 
     @property
     def pending(self) -> int:
@@ -166,7 +170,8 @@ class BatchedDecoder:
         if samples is not None:
             if not samples or not all(isinstance(p, SamplingParams) for p in samples):
                 raise TypeError("sampling must be SamplingParams or a non-empty list of them")
-            if self.k and any(not p.greedy for p in samples) and isinstance(self.drafter, BatchedCppDrafter):
+            if (self.k and any(not p.greedy for p in samples) and isinstance(self.drafter, BatchedCppDrafter)
+                    and not self._switch_for_sampling):
                 raise ValueError("sampling drafts with the MLX head; the C++ drafter drafts greedily")
         self.queue.append(_Queued(key, ids, min(max_tokens, engine.context_length - len(ids)), stops, projection,
                                   samples))
@@ -289,12 +294,24 @@ class BatchedDecoder:
         """Prefill queued prompts, one at a time, into free places (a prompt
         with n samples needs n places, or an empty batch)."""
         finished = []
-        while self.queue:
+        while self.queue and self._may_join(self.queue[0]):
             samples = len(self.queue[0].samples or (None,))
             if self.rows and len(self.rows) + samples > self.batch_size:
                 break
             finished += self._join(self.queue.pop(0), [])
         return finished
+
+    def _may_join(self, q: _Queued) -> bool:
+        """Whether ``q`` can join now: a sampled prompt waits for an empty
+        batch if "auto" chose the C++ head (greedy only), which then gives
+        way to the MLX head."""
+        if not self._switch_for_sampling or all(p.greedy for p in q.samples or (GREEDY,)):
+            return True
+        if self.rows:
+            return False
+        self.drafter = self._make_drafter("mlx")
+        self._switch_for_sampling = False
+        return True
 
     def _refill(self, done: list[int]) -> list[tuple[Hashable, GenerationResult]]:
         """The rows ``done`` leave: queued prompts take their places while
@@ -302,7 +319,8 @@ class BatchedDecoder:
         batch's caches), the places left over are dropped."""
         free = list(done)
         finished = []
-        while free and self.queue and len(self.queue[0].samples or (None,)) <= len(free):
+        while (free and self.queue and len(self.queue[0].samples or (None,)) <= len(free)
+               and self._may_join(self.queue[0])):
             finished += self._join(self.queue.pop(0), free)
         if len(free) < len(done):
             self._lap(None)

@@ -24,6 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtp_engine.cache.batch import BatchKVCache
+from mtp_engine.drafters.compiled_head import MAX_COMPILED_WIDTH, CompiledHead
 from mtp_engine.drafters.cpp_head import CppDrafter
 from mtp_engine.model.mtp_head import MTPHead
 from mtp_engine.sampling import SamplingParams, draft_choice
@@ -47,20 +48,21 @@ class BatchedMLXDrafter:
         head: The `MTPHead`; embed: the trunk's embedding; lm_head: hiddens
             to logits.
         prefill_step_size: Pairs per forward of a joining row's head prefill.
-
-    Its forwards run eagerly. The single-sequence drafter's compiled pieces
-    (`mtp_engine.drafters.compiled_head`) trace once per input shape, and a
-    batch meets a new ``[rows, width]`` whenever rows leave or accept
-    different counts; on CUDA each trace JIT-compiles its kernels.
+        compiled: The head's `CompiledHead` (draft forwards in compiled
+            pieces, traced once per ``[rows, width]``), or None for eager
+            forwards.
     """
 
     name = "mlx"
 
-    def __init__(self, head: MTPHead, embed: nn.Module, lm_head, prefill_step_size: int = 2048):
+    def __init__(self, head: MTPHead, embed: nn.Module, lm_head, prefill_step_size: int = 2048,
+                 compiled: CompiledHead | None = None):
         self.head = head
         self.embed = embed
         self.lm_head = lm_head
         self.prefill_step_size = prefill_step_size
+        self.compiled = compiled
+        self._greedy = mx.compile(lambda m: mx.argmax(lm_head(m), axis=-1).astype(mx.int32))
         self.q_scaled: mx.array | None = None
         self.cache = [BatchKVCache() for _ in head.layers]
         self.pending: list[_Pending] = []
@@ -166,11 +168,10 @@ class BatchedMLXDrafter:
             self.q_scaled = mx.concatenate(scaled, axis=1)  # [B, k, V]
         return mx.concatenate(drafts, axis=1)
 
-    def _greedy(self, m: mx.array) -> mx.array:
-        return mx.argmax(self.lm_head(m), axis=-1).astype(mx.int32)
-
     def _forward(self, hidden: mx.array, ids: mx.array) -> mx.array:
         """The head's final-normed hiddens over ``[B, L]`` pairs."""
+        if self.compiled is not None and ids.shape[1] <= MAX_COMPILED_WIDTH:
+            return self.compiled.hiddens(hidden, ids, self.cache)
         return self.head(hidden, self.embed(ids), self.cache)
 
     def commit(self, hidden: mx.array, emitted: list[list[int]]) -> None:

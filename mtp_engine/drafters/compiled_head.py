@@ -86,6 +86,7 @@ class CompiledHead:
         self._enter = mx.compile(self._enter_impl)
         self._between = [mx.compile(partial(self._between_impl, j)) for j in range(len(layers) - 1)]
         self._leave = mx.compile(self._leave_impl)
+        self._finish = mx.compile(self._finish_impl)
 
     def _enter_impl(self, hidden: mx.array, tokens: mx.array, offset: mx.array):
         head = self.head
@@ -103,8 +104,10 @@ class CompiledHead:
         return (x, *gated_attention_inputs(nxt.self_attn, nxt.input_layernorm(x), offset))
 
     def _leave_impl(self, x, attended, gate):
-        m = self.head.norm(_layer_output(self.head.layers[-1], x, attended, gate))
-        return last_draft(m, self.lm_head)
+        return last_draft(self._finish_impl(x, attended, gate), self.lm_head)
+
+    def _finish_impl(self, x, attended, gate):
+        return self.head.norm(_layer_output(self.head.layers[-1], x, attended, gate))
 
     def __call__(self, hidden: mx.array, tokens: mx.array, cache: list):
         """The head over pairs ``(hidden[:, j], tokens[:, j])`` (``[1, L, dim]``
@@ -115,6 +118,11 @@ class CompiledHead:
             ``[1, 1, dim]`` and greedy token ``[1, 1]`` int32 (all lazy).
         """
         return self._leave(*self._attend(hidden, tokens, cache))
+
+    def hiddens(self, hidden: mx.array, tokens: mx.array, cache: list) -> mx.array:
+        """The head's final-normed hiddens ``M`` at every position, for
+        ``[B, L, dim]`` hiddens and ``[B, L]`` tokens (a batch of rows)."""
+        return self._finish(*self._attend(hidden, tokens, cache))
 
     def _attend(self, hidden: mx.array, tokens: mx.array, cache: list):
         """Every piece up to the last layer's attention; returns what the

@@ -11,7 +11,7 @@ import datasets
 import pyarrow as pa
 import pytest
 
-from jobs.config import ConfigError
+from jobs.config import ConfigError, JobConfig
 from jobs.output import FingerprintMismatch, OutputError
 from jobs.runner import run_job
 from mtp_engine import MTPEngine
@@ -281,8 +281,6 @@ def test_bad_dataset_path_fails_the_job(tmp_path, job_model, job_engine):
 
 
 def test_config_values_are_validated():
-    from jobs.config import JobConfig
-
     for bad, match in [
         (dict(mode="fast"), "mode must be one of"),
         (dict(draft_tokens=0), "draft_tokens must be a positive integer, got 0"),
@@ -303,6 +301,16 @@ def test_auto_mode_follows_the_backend(tmp_path, job_model, job_engine):
     assert {r["acceptance"]["mode"] for r in rows.values()} == {AUTO_MODE["cpu"]}
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["config"]["mode"] == AUTO_MODE["cpu"]  # fingerprinted as resolved
+
+
+def test_auto_mode_of_a_sampled_job_is_plain_batching():
+    from jobs.config import AUTO, AUTO_SAMPLED
+
+    greedy = JobConfig(dataset="d", model="m", output="o").resolved("cpu")
+    sampled = JobConfig(dataset="d", model="m", output="o", temperature=0.7).resolved("cpu")
+    assert (greedy.mode, greedy.batch_size) == (AUTO["cpu"][0], AUTO["cpu"][2])
+    assert (sampled.mode, sampled.batch_size) == ("baseline", AUTO_SAMPLED[2])
+    assert JobConfig(dataset="d", model="m", output="o", temperature=0.7, batch_size=8).resolved("cpu").batch_size == 8
 
 
 def test_a_job_logs_one_line_per_fast_path(tmp_path, job_model, job_engine):

@@ -172,6 +172,28 @@ def test_exact_sampler_batched_equals_plain_sampling_whatever_the_batch(held_out
         assert_same_or_near_tie(f"{name} B={batch_size} K={k} row {i}", results[i].tokens, reference)
 
 
+def test_auto_drafter_gives_way_to_the_mlx_head_for_the_first_sampled_row(held_out):
+    """On the CPU "auto" drafts with the C++ head, which drafts greedily:
+    a sampled row waits until the greedy rows in flight finish, then the
+    MLX head drafts; every row still equals its plain decoding."""
+    name, engine, plain = held_out
+    if engine.drafters.cpp is None:
+        pytest.skip("needs the C++ drafter")
+    rows = [(i, engine.encode(p), SamplingParams(seed=5 + i, **({} if i < 2 else SETTINGS[i % 2])), 10 + 4 * i)
+            for i, p in enumerate(PROMPTS[:5])]  # two greedy rows, then three sampled
+    decoder = BatchedDecoder(engine, 3, "chain", 2)
+    for i, ids, params, budget in rows:
+        decoder.add(i, ids, max_tokens=budget, sampling=params)
+    results, drafters = {}, []
+    while decoder.pending:
+        results.update(decoder.step())
+        drafters.append((decoder.drafter.name, sorted(r.key for r in decoder.rows)))
+    assert drafters[0] == ("cpp", [0, 1])  # the sampled rows wait for the greedy ones
+    assert drafters[-1][0] == "mlx" and all(keys == [] or min(keys) >= 2 for d, keys in drafters if d == "mlx")
+    for i, ids, params, budget in rows:
+        assert_same_or_near_tie(f"{name} auto drafter row {i}", results[i].tokens, plain.sample(ids, params, budget))
+
+
 def test_n_samples_share_a_prefill_and_equal_single_generations(held_out):
     _, engine, _ = held_out
     ids = engine.encode(PROMPTS[0])
