@@ -8,7 +8,8 @@
 #   bash benchmarks/cpu.sh dataset    # over a dataset: plain, single chain, mlx-lm and our batching, batched
 #                                     # chains; all prompts, then the loop-free ones -> results/cpu-dataset*.json
 #   bash benchmarks/cpu.sh dataset-full  # all 287 prompts of examples/prompts.jsonl: plain, single chain K=4, plain
-#                                      # batching and batched chains K=2/3 at B=16/32/64 (~20 min) -> results/cpu-dataset-full.json
+#                                      # batching and batched chains K=2/3 at B=16/32/64 (~20 min) -> results/cpu-dataset-full.json;
+#                                      # then its 13 loop-free prompts (~6 min) -> results/cpu-dataset-full-loop-free.json
 #   bash benchmarks/cpu.sh sampling   # plain sampling vs both samplers, T=0.7 and 1.0 -> results/cpu-sampling.json
 set -euo pipefail
 py=${PY:-.venv/bin/python}
@@ -26,7 +27,9 @@ case "${1:?bench, lossless, dataset, dataset-full or sampling}" in
       --single-k 4 --no-mlx-lm-batch --loop-free --json "$results/cpu-dataset-loop-free.json" ;;
   dataset-full)
     $py -m mtp_engine.bench --suite dataset --limit 287 --max-tokens 128 --batch-sizes 16 32 64 --draft-tokens 2 3 \
-      --single-k 4 --no-mlx-lm-batch --json "$results/cpu-dataset-full.json" ;;
+      --single-k 4 --no-mlx-lm-batch --json "$results/cpu-dataset-full.json"
+    $py -m mtp_engine.bench --suite dataset --limit 287 --max-tokens 128 --batch-sizes 16 --draft-tokens 2 3 \
+      --single-k 4 --no-mlx-lm-batch --loop-free --json "$results/cpu-dataset-full-loop-free.json" ;;
   sampling)
     $py -m mtp_engine.bench --suite sampling --limit 12 --max-tokens 96 --rounds 1 --temperatures 0.7 1.0 \
       --sampling-k 2 3 4 --json "$results/cpu-sampling.json" ;;
