@@ -158,15 +158,15 @@ class BatchKVCache:
         written, where `filter` and `add_row` would copy every row."""
         if not 0 <= row < len(self.positions):
             raise ValueError(f"row {row} of a batch of {len(self.positions)}")
-        if length == 0 or keys is None:  # a row with no entries yet
+        if keys is None:  # a row with no entries yet
             length = 0
-        else:
+        elif length:
             keys, values = keys[..., :length, :], values[..., :length, :]
             if length > self.idx:
                 self._shift_to(length, keys, values)
-            pad = self.idx - length
-            self.keys[row : row + 1, :, pad : self.idx, :] = keys.astype(self.keys.dtype)
-            self.values[row : row + 1, :, pad : self.idx, :] = values.astype(self.values.dtype)
+            start = self.idx - length
+            self.keys[row : row + 1, :, start : self.idx, :] = keys.astype(self.keys.dtype)
+            self.values[row : row + 1, :, start : self.idx, :] = values.astype(self.values.dtype)
         pad = self.idx - length
         if self.valid is not None:
             self.valid[row : row + 1, : self.idx] = (mx.arange(self.idx) >= pad)[None]

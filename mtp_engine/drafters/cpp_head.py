@@ -136,18 +136,13 @@ class CppDrafter:
         it alone. Lazy on the CPU backend, as `draft`."""
         if k < 1:
             raise ValueError(f"a chain draft needs k >= 1 tokens, got {k}")
-        hiddens, sources, rows, tokens = [], [], [], []
+        hiddens, sources, rows, tokens = {}, [], [], []  # hiddens: each array once, by identity
         for state in states:
             hidden, row, pairs = self._pending(state)
-            for i, h in enumerate(hiddens):
-                if h is hidden:
-                    break
-            else:
-                i = len(hiddens)
-                hiddens.append(hidden)
-            sources.append(i)
+            sources.append(hiddens.setdefault(id(hidden), (len(hiddens), hidden))[0])
             rows.append(row)
             tokens.append(pairs)
+        hiddens = [h for _, h in hiddens.values()]
         drafts = extension().draft_batch([s.session for s in states], hiddens, sources, rows, tokens, k)
         if mx.default_device() != mx.cpu:  # drafted at once, as `draft` does on a GPU
             return mx.array(drafts.tolist(), dtype=mx.int32)
