@@ -79,6 +79,11 @@ class _Queued:
     projection: ProjectedDrafts | None
     samples: list[SamplingParams] | None  # None: one row, greedy; else one row per sample
 
+    @property
+    def params(self) -> list[SamplingParams]:
+        """Each of its rows' sampling."""
+        return self.samples or [GREEDY]
+
 
 class BatchedDecoder:
     """Continuous batching of speculative (or plain) decoding.
@@ -145,7 +150,7 @@ class BatchedDecoder:
     @property
     def pending(self) -> int:
         """Rows queued or in flight (a queued prompt counts its samples)."""
-        return len(self.rows) + sum(len(q.samples or (None,)) for q in self.queue)
+        return len(self.rows) + sum(len(q.params) for q in self.queue)
 
     def add(self, key: Hashable, prompt: str | list[int], *, max_tokens: int = 256,
             stop: str | list[str] | None = None, projection: ProjectedDrafts | None = None,
@@ -295,8 +300,7 @@ class BatchedDecoder:
         with n samples needs n places, or an empty batch)."""
         finished = []
         while self.queue and self._may_join(self.queue[0]):
-            samples = len(self.queue[0].samples or (None,))
-            if self.rows and len(self.rows) + samples > self.batch_size:
+            if self.rows and len(self.rows) + len(self.queue[0].params) > self.batch_size:
                 break
             finished += self._join(self.queue.pop(0), [])
         return finished
@@ -305,7 +309,7 @@ class BatchedDecoder:
         """Whether ``q`` can join now: a sampled prompt waits for an empty
         batch if "auto" chose the C++ head (greedy only), which then gives
         way to the MLX head."""
-        if not self._switch_for_sampling or all(p.greedy for p in q.samples or (GREEDY,)):
+        if not self._switch_for_sampling or all(p.greedy for p in q.params):
             return True
         if self.rows:
             return False
@@ -319,7 +323,7 @@ class BatchedDecoder:
         batch's caches), the places left over are dropped."""
         free = list(done)
         finished = []
-        while (free and self.queue and len(self.queue[0].samples or (None,)) <= len(free)
+        while (free and self.queue and len(self.queue[0].params) <= len(free)
                and self._may_join(self.queue[0])):
             finished += self._join(self.queue.pop(0), free)
         if len(free) < len(done):
@@ -336,7 +340,7 @@ class BatchedDecoder:
         ``free`` (popped) or joins at the end. Returns rows that finished
         with their first token."""
         finished = []
-        samples = q.samples or [GREEDY]
+        samples = q.params
         engine = self.engine
         self._lap(None)
         t0 = time.perf_counter()

@@ -133,7 +133,8 @@ class DraftSession : public std::enable_shared_from_this<DraftSession> {
   static void greedy_many(const std::vector<DraftSession*>& sessions, const std::vector<int>& counts,
                           const float* hidden, const std::vector<int>& tokens, int k, int32_t* out);
 
-  // Sessions from which greedy_many drafts each half on its own thread.
+  // Sessions per half from which greedy_many drafts the two halves on two
+  // threads (8 sessions and more).
   static constexpr size_t kSplitSessions = 4;
 
   // Consume the pending pairs, then draft greedily: up to `k` tokens, stopping
@@ -158,7 +159,7 @@ class DraftSession : public std::enable_shared_from_this<DraftSession> {
                                const std::vector<mx::array>& hiddens, const std::vector<int>& sources,
                                const std::vector<int>& rows, const std::vector<std::vector<int>>& tokens, int k);
 
-  // The work of draft() and of a lazy chain, without their checks: consume
+  // The work of draft() (a lazy chain goes through greedy_many), without its checks: consume
   // the pairs, then draft greedily, up to k tokens, stopping early once the
   // running product of top-1 probabilities is below tau (tau 0: always k,
   // and no probability is computed unless `probs` asks for them).
