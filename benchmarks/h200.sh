@@ -17,7 +17,13 @@
 #   bash benchmarks/h200.sh 80b-phases # as 80b, every phase of the batched decoder timed -> h200-80b-phases.json
 #   bash benchmarks/h200.sh qwen3.5-27b       # Qwen3.5-27B (dense) shapes, random 4-bit weights, 1K context, drafts
 #   bash benchmarks/h200.sh qwen3.5-35b-a3b   # projected at profile 0.93,0.82,0.64 -> h200-qwen3.5-*.json (one call each)
+#
+# A fresh machine compiles each of MLX's CUDA kernels the first time it runs: the 80B suites' warm-up took
+# 427 s on one, 29 s once compiled. MLX caches them under /tmp/mlx. To carry them to a later session, end a
+# warm call with `tar czf $OUT/ptx.tgz -C /tmp mlx` (about 4 MB), keep the file as .mlx-ptx/ptx.tgz (ignored)
+# and name .mlx-ptx in the next call's carry: this script unpacks it first.
 set -u
+if [ -f .mlx-ptx/ptx.tgz ] && [ ! -d /tmp/mlx ]; then tar xzf .mlx-ptx/ptx.tgz -C /tmp; fi
 out=${OUT:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH=/root/site:$PWD

@@ -33,6 +33,12 @@ GPU_MOE_SORT_MIN = 1024
 """Routed selections from which a GPU's MoE blocks sort their tokens by
 expert: prefill chunks do, verify forwards and decoding batches do not."""
 
+GPU_MOE_GROUP_MIN = 1024
+"""Routed selections from which `EngineOptions.grouped_moe` runs each
+expert's tokens in blocks: at top-10 routing, prompt prefill chunks and
+verify forwards of 32 rows x 4 tokens (1280) do; decoding batches of 32
+rows (320), where MLX's own products were faster on the H200, do not."""
+
 CUDNN_ATTENTION = "MLX_CUDA_USE_CUDNN_SDPA"
 """MLX's own switch for cuDNN attention on CUDA, which `apply_process_settings`
 sets from `EngineOptions.cudnn_attention` unless the user set it."""
@@ -90,6 +96,10 @@ class EngineOptions:
         moe_sort_min: With ``contiguous_moe``, sort the experts' tokens from
             this many routed (token, expert) selections (None: mlx-lm's 64 on
             the CPU, `GPU_MOE_SORT_MIN` on GPUs).
+        grouped_moe: With ``contiguous_moe``, from `GPU_MOE_GROUP_MIN` routed
+            selections each expert's tokens run in blocks of rows, so an
+            expert's weights are read once per block (None: on CUDA, whose
+            ``gather_qmm`` reads them once per selection).
         state_capture: Verify forwards record per-token recurrent states, so
             a commit is a lookup; False snapshots and replays instead.
         cudnn_attention: cuDNN's fused attention on CUDA (MLX's default);
@@ -110,6 +120,7 @@ class EngineOptions:
     flat_quantized: bool | None = None
     contiguous_moe: bool = True
     moe_sort_min: int | None = None
+    grouped_moe: bool | None = None
     state_capture: bool = True
     cudnn_attention: bool = False
 

@@ -17,10 +17,15 @@ from mtp_engine.kernels import cpu_activations, recurrence
 from mtp_engine.model.activations import install_fast_activations
 from mtp_engine.model.compiled import install_compiled_layers
 from mtp_engine.model.gated_delta import gated_delta_layers, install_state_capture
-from mtp_engine.model.moe import MLX_LM_SORT_MIN, install_moe_blocks
+from mtp_engine.model.moe import GROUP_ROWS, MLX_LM_SORT_MIN, install_moe_blocks
 from mtp_engine.model.quantized import install_flat_quantized
 from mtp_engine.model.rowwise import install_rowwise_linears
-from mtp_engine.options import GPU_MOE_SORT_MIN, EngineOptions, FastPathStatus
+from mtp_engine.options import (
+    GPU_MOE_GROUP_MIN,
+    GPU_MOE_SORT_MIN,
+    EngineOptions,
+    FastPathStatus,
+)
 
 
 def decide(name: str, wanted: bool | None, default: bool, why_not: str | None, on: str) -> FastPathStatus:
@@ -66,8 +71,17 @@ def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOpti
     sort_min = options.moe_sort_min or (MLX_LM_SORT_MIN if on_cpu else GPU_MOE_SORT_MIN)
     statuses.append(decide("contiguous_moe", options.contiguous_moe, True, None,
                            f"routing indices copied once; tokens sorted by expert from {sort_min} selections"))
+    compiled = decide("compile_layers", options.compile_layers, on_cpu, None, "decode and verify widths up to 16")
+    grouped = decide("grouped_moe", options.grouped_moe, on_cuda,
+                     "needs contiguous_moe" if not options.contiguous_moe else
+                     "compiled layers cannot read an expert's token count back" if compiled.state == "on" else None,
+                     f"each expert's tokens in blocks of {GROUP_ROWS} rows from {GPU_MOE_GROUP_MIN} selections")
+    statuses.append(grouped)
     if options.contiguous_moe:
-        install_moe_blocks(model, head, sort_min=sort_min)
+        # The head's blocks never group: its draft forwards run compiled,
+        # and grouping reads the experts' counts back.
+        install_moe_blocks(model, sort_min=sort_min, group_min=GPU_MOE_GROUP_MIN if grouped.state == "on" else None)
+        install_moe_blocks(head, sort_min=sort_min)
 
     rowwise = decide("rowwise_linears", options.rowwise_linears, on_cuda, None, "few-row dense products row by row")
     statuses.append(rowwise)
@@ -82,7 +96,6 @@ def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOpti
     if act.state == "on":
         install_fast_activations(model, head)
 
-    compiled = decide("compile_layers", options.compile_layers, on_cpu, None, "decode and verify widths up to 16")
     statuses.append(compiled)
     if compiled.state == "on":
         install_compiled_layers(model, head)

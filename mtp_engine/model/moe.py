@@ -18,6 +18,13 @@ crosses 64 at 7 tokens, and batched decoding always does.
 `EngineSparseMoeBlock.sort_min` sets that threshold (`EngineOptions.moe_sort_min`;
 by default mlx-lm's on the CPU, where the outputs stay bit for bit the same,
 and higher on GPUs: docs/BENCHMARKS.md).
+
+Sorted or not, MLX's CUDA ``gather_qmm`` runs one single-row product per
+(token, expert) selection, re-reading the expert's weights for each: a
+1K-token prompt's MoE block of the 80B-A3B shapes took 15 ms. From
+`EngineSparseMoeBlock.group_min` selections (`EngineOptions.grouped_moe`, on
+CUDA) `grouped_switch_glu` lays each expert's tokens out as blocks of
+`GROUP_ROWS` rows, so each product reads an expert's weights once per block.
 """
 
 from __future__ import annotations
@@ -37,8 +44,12 @@ MLX_LM_SORT_MIN = 64
 """mlx-lm's threshold: sort once this many (token, expert) selections are routed."""
 
 
-def switch_glu(switch: SwitchGLU, x: mx.array, indices: mx.array, sort_min: int) -> mx.array:
-    """mlx-lm 0.32's ``SwitchGLU.__call__`` with the sort threshold as a parameter."""
+def switch_glu(switch: SwitchGLU, x: mx.array, indices: mx.array, sort_min: int,
+               group_min: int | None = None) -> mx.array:
+    """mlx-lm 0.32's ``SwitchGLU.__call__`` with the sort threshold as a
+    parameter; from ``group_min`` selections, `grouped_switch_glu`."""
+    if group_min is not None and indices.size >= group_min:
+        return grouped_switch_glu(switch, x, indices)
     x = mx.expand_dims(x, (-2, -3))
     indices = mx.stop_gradient(indices)
     do_sort = indices.size >= sort_min
@@ -53,14 +64,50 @@ def switch_glu(switch: SwitchGLU, x: mx.array, indices: mx.array, sort_min: int)
     return x.squeeze(-2)
 
 
+GROUP_ROWS = 16
+"""Rows per grouped expert product: each expert's tokens are cut into
+blocks of this many (the last zero-padded)."""
+
+
+def grouped_switch_glu(switch: SwitchGLU, x: mx.array, indices: mx.array, rows: int = GROUP_ROWS) -> mx.array:
+    """``SwitchGLU`` over ``x`` ``[..., dim]`` routed to ``indices``
+    ``[..., k]``, each expert's products over blocks of ``rows`` of its
+    tokens: the selections, sorted by expert, become the rows of ``[blocks,
+    rows, dim]``, each block one expert's (zero rows pad its last), so an
+    expert's weights are read once per block, not once per selection. The
+    block layout needs the experts' counts on the host (one read-back).
+    Returns ``[..., k, dim]``."""
+    k, dim = indices.shape[-1], x.shape[-1]
+    flat = indices.flatten().astype(mx.int32)
+    counts = mx.zeros((switch.up_proj.num_experts,), mx.int32).at[flat].add(1)
+    order = mx.argsort(flat)
+    sorted_experts = flat[order]
+    blocks = [-(-c // rows) for c in counts.tolist()]
+    first_block = [0]
+    for n in blocks[:-1]:
+        first_block.append(first_block[-1] + n)
+    rank = mx.arange(flat.size, dtype=mx.int32) - (mx.cumsum(counts) - counts)[sorted_experts]
+    row = mx.array(first_block, dtype=mx.int32)[sorted_experts] * rows + rank
+    slots = mx.zeros_like(flat).at[order].add(row)  # each selection's row, in routing order
+    grouped = mx.zeros((sum(blocks) * rows, dim), x.dtype)
+    grouped[slots] = mx.repeat(x.reshape(-1, dim), k, axis=0)
+    grouped = grouped.reshape(-1, rows, dim)
+    expert = mx.array([e for e, n in enumerate(blocks) for _ in range(n)], dtype=mx.uint32)
+    y = switch.down_proj(switch.activation(switch.up_proj(grouped, expert), switch.gate_proj(grouped, expert)), expert)
+    return y.reshape(-1, y.shape[-1])[slots].reshape(*indices.shape, -1)
+
+
 class EngineSparseMoeBlock(Qwen3NextSparseMoeBlock):
     """``Qwen3NextSparseMoeBlock`` with contiguous routing indices.
 
     Attributes:
         sort_min: Routed selections from which the experts' tokens are sorted.
+        group_min: Routed selections from which each expert's tokens run in
+            blocks (`grouped_switch_glu`), or None: never.
     """
 
     sort_min: int = MLX_LM_SORT_MIN
+    group_min: int | None = None
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.sharding_group is not None:  # the distributed path stays mlx-lm's
@@ -71,17 +118,18 @@ class EngineSparseMoeBlock(Qwen3NextSparseMoeBlock):
         scores = mx.take_along_axis(gates, inds, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
-        y = (switch_glu(self.switch_mlp, x, inds, self.sort_min) * scores[..., None]).sum(axis=-2)
+        y = (switch_glu(self.switch_mlp, x, inds, self.sort_min, self.group_min) * scores[..., None]).sum(axis=-2)
         return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
-def install_moe_blocks(*modules: nn.Module, sort_min: int = MLX_LM_SORT_MIN) -> int:
+def install_moe_blocks(*modules: nn.Module, sort_min: int = MLX_LM_SORT_MIN, group_min: int | None = None) -> int:
     """Swap every ``Qwen3NextSparseMoeBlock`` under ``modules`` for an
     `EngineSparseMoeBlock` sharing its weights; returns how many."""
 
     def swap(block):
         new = share_weights(EngineSparseMoeBlock, block)
         new.sort_min = sort_min
+        new.group_min = group_min
         return new
 
     return swap_modules(modules, {Qwen3NextSparseMoeBlock: swap})

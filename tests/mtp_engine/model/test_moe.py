@@ -1,14 +1,17 @@
-"""The engine's MoE block equals mlx-lm's bit for bit, and loaders install it."""
+"""The engine's MoE block equals mlx-lm's bit for bit, and loaders install it;
+its grouped expert products (CUDA prefill) give the same values."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextSparseMoeBlock
 
 from mtp_engine.io.tiny import tiny_config
 from mtp_engine.model.moe import EngineSparseMoeBlock, install_moe_blocks
 from mtp_engine.model.swap import share_weights
+from mtp_engine.options import GPU_MOE_GROUP_MIN
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 40])
@@ -55,3 +58,33 @@ def test_the_engine_reports_its_sort_threshold(tiny_path):
     assert {m.sort_min for m in (layer.mlp for layer in engine.model.layers)} == {256}
     status = next(s for s in engine.fast_paths if s.name == "contiguous_moe")
     assert "sorted by expert from 256 selections" in status.detail
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("tokens", [5, 37])
+def test_grouped_expert_products_give_the_blocks_values(quantized, tokens):
+    """Each expert's tokens in blocks of rows (`grouped_moe`; 16 experts:
+    at 5 tokens some get none, at 37 some fill two blocks): the same values
+    as mlx-lm's block, 4-bit experts too (the H200's gave the same bits)."""
+    mx.random.seed(tokens)
+    args = ModelArgs.from_dict(tiny_config(num_experts=16))
+    block = Qwen3NextSparseMoeBlock(args)
+    if quantized:
+        nn.quantize(block, group_size=32, bits=4, class_predicate=lambda _, m: hasattr(m, "to_quantized")
+                    and m.weight.shape[-1] % 32 == 0)
+    ours = share_weights(EngineSparseMoeBlock, block)
+    ours.group_min = 1
+    x = mx.random.normal((3, tokens, args.hidden_size))
+    assert mx.allclose(ours(x), block(x), atol=1e-5, rtol=1e-5).item()
+
+
+def test_grouped_expert_products_are_a_reported_fast_path(tiny_path):
+    from mtp_engine import MTPEngine
+
+    engine = MTPEngine.load(tiny_path, grouped_moe=True, compile_layers=False)
+    assert {layer.mlp.group_min for layer in engine.model.layers} == {GPU_MOE_GROUP_MIN}
+    assert next(s for s in engine.fast_paths if s.name == "grouped_moe").state == "on"
+    compiled = MTPEngine.load(tiny_path, grouped_moe=True)  # compiled layers on the CPU by default
+    status = next(s for s in compiled.fast_paths if s.name == "grouped_moe")
+    assert status.state == "unavailable" and "compiled layers" in status.detail
+    assert {layer.mlp.group_min for layer in compiled.model.layers} == {None}
