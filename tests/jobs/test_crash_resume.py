@@ -127,11 +127,13 @@ def sampled_rows(folder: Path) -> dict:
 
 
 def test_sampled_job_killed_and_resumed_equals_uninterrupted_and_baseline(tmp_path, job_model, job_engine):
-    """T = 0.8, n = 4 over examples/prompts.jsonl: a chain-mode job killed
-    twice and resumed writes the rows of an uninterrupted run, which equal
-    the same job's rows in baseline mode."""
-    dataset = ROOT / "examples" / "prompts.jsonl"
-    sampling = dict(temperature=0.8, n=4, max_tokens=12, rows_per_shard=100)
+    """T = 0.8, n = 4 over the first 100 prompts of examples/prompts.jsonl
+    (eight shards of rows): a chain-mode job killed twice and resumed writes
+    the rows of an uninterrupted run, which equal the same job's rows in
+    baseline mode."""
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("".join((ROOT / "examples" / "prompts.jsonl").read_text().splitlines(keepends=True)[:100]))
+    sampling = dict(temperature=0.8, n=4, max_tokens=12, rows_per_shard=50)
     baseline = tmp_path / "baseline"
     run_job(job_config(dataset, job_model, baseline, mode="baseline", batch_size=16, **sampling), engine=job_engine)
     chain = tmp_path / "chain"
@@ -145,7 +147,7 @@ def test_sampled_job_killed_and_resumed_equals_uninterrupted_and_baseline(tmp_pa
     output = tmp_path / "killed"
     cmd = [sys.executable, "-m", "jobs", "generate", "--dataset", str(dataset), "--model", str(job_model),
            "--output", str(output), "--mode", "chain", "--batch-size", "16", "--draft-tokens", "3",
-           "--temperature", "0.8", "--n", "4", "--max-tokens", "12", "--rows-per-shard", "100"]
+           "--temperature", "0.8", "--n", "4", "--max-tokens", "12", "--rows-per-shard", "50"]
     for step in (dict(crash_at="ledger_appended:2"), dict(kill_after_shards=3)):
         code, log = run_until_killed(cmd, output, **step)
         assert code == -signal.SIGKILL, f"{step}: expected a SIGKILL, got {code}\n{log}"
