@@ -79,15 +79,18 @@ def grouped_switch_glu(switch: SwitchGLU, x: mx.array, indices: mx.array, rows: 
     Returns ``[..., k, dim]``."""
     k, dim = indices.shape[-1], x.shape[-1]
     flat = indices.flatten().astype(mx.int32)
-    counts = mx.zeros((switch.up_proj.num_experts,), mx.int32).at[flat].add(1)
+    counts = mx.zeros((switch.up_proj.num_experts,), mx.int32).at[flat].add(1).tolist()
     order = mx.argsort(flat)
     sorted_experts = flat[order]
-    blocks = [-(-c // rows) for c in counts.tolist()]
-    first_block = [0]
-    for n in blocks[:-1]:
-        first_block.append(first_block[-1] + n)
-    rank = mx.arange(flat.size, dtype=mx.int32) - (mx.cumsum(counts) - counts)[sorted_experts]
-    row = mx.array(first_block, dtype=mx.int32)[sorted_experts] * rows + rank
+    blocks = [-(-c // rows) for c in counts]
+    # Per expert: its first row in the layout minus its first place in the
+    # sorted order, so sorted place j of expert e lands on row j + shift[e].
+    shift, first_row, first_place = [], 0, 0
+    for count, n in zip(counts, blocks):
+        shift.append(first_row - first_place)
+        first_row += n * rows
+        first_place += count
+    row = mx.arange(flat.size, dtype=mx.int32) + mx.array(shift, dtype=mx.int32)[sorted_experts]
     slots = mx.zeros_like(flat).at[order].add(row)  # each selection's row, in routing order
     grouped = mx.zeros((sum(blocks) * rows, dim), x.dtype)
     grouped[slots] = mx.repeat(x.reshape(-1, dim), k, axis=0)

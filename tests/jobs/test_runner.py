@@ -11,7 +11,7 @@ import datasets
 import pyarrow as pa
 import pytest
 
-from jobs.config import ConfigError, JobConfig
+from jobs.config import AUTO, AUTO_MODE, AUTO_SAMPLED, ConfigError, JobConfig
 from jobs.output import FingerprintMismatch, OutputError
 from jobs.runner import run_job
 from mtp_engine import MTPEngine
@@ -293,8 +293,6 @@ def test_config_values_are_validated():
 
 
 def test_auto_mode_follows_the_backend(tmp_path, job_model, job_engine):
-    from jobs.config import AUTO_MODE
-
     dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(3))
     run_job(job_config(dataset, job_model, tmp_path / "out", mode="auto"), engine=job_engine)
     rows = load_rows(tmp_path / "out")
@@ -304,8 +302,6 @@ def test_auto_mode_follows_the_backend(tmp_path, job_model, job_engine):
 
 
 def test_auto_mode_of_a_sampled_job_is_plain_batching():
-    from jobs.config import AUTO, AUTO_SAMPLED
-
     greedy = JobConfig(dataset="d", model="m", output="o").resolved("cpu")
     sampled = JobConfig(dataset="d", model="m", output="o", temperature=0.7).resolved("cpu")
     assert (greedy.mode, greedy.batch_size) == (AUTO["cpu"][0], AUTO["cpu"][2])
