@@ -5,7 +5,7 @@
 # its result file into $OUT (default benchmarks/results); copy them into
 # benchmarks/results/ to make them current.
 #
-#   bash benchmarks/h200.sh tests      # the GPU-only tests, and batched / sampled exactness on CUDA
+#   bash benchmarks/h200.sh tests      # the GPU-only tests (kernels on the device), batched / sampled exactness on CUDA
 #   bash benchmarks/h200.sh shipped    # shipped model, bf16, every chain depth one prompt at a time -> h200-shipped.json
 #   bash benchmarks/h200.sh dataset    # shipped model over a dataset: plain, single chain, mlx-lm and our batching,
 #                                      # batched chains B=8..32 K=1..4, all prompts then loop-free -> h200-dataset*.json
@@ -14,6 +14,7 @@
 #   bash benchmarks/h200.sh 80b        # Qwen3-Next-80B-A3B shapes, random 4-bit weights, 1K-token prompts x 128 new
 #   bash benchmarks/h200.sh 80b-b8     # tokens, drafts projected at profile 0.93,0.82,0.64: B=32; B=8; single chains
 #   bash benchmarks/h200.sh 80b-depths # K=3..8 (one call each) -> h200-80b.json, h200-80b-b8.json, h200-80b-depths.json
+#   bash benchmarks/h200.sh 80b-8k     # as 80b-b8 with 8K-token prompts, 8 of them, phases timed -> h200-80b-8k.json
 #   bash benchmarks/h200.sh 80b-phases # as 80b, every phase of the batched decoder timed -> h200-80b-phases.json
 #   bash benchmarks/h200.sh qwen3.5-27b       # Qwen3.5-27B (dense) shapes, random 4-bit weights, 1K context, drafts
 #   bash benchmarks/h200.sh qwen3.5-35b-a3b   # projected at profile 0.93,0.82,0.64 -> h200-qwen3.5-*.json (one call each)
@@ -28,7 +29,7 @@ out=${OUT:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH=/root/site:$PWD
 bench="python3 -u -m mtp_engine.bench"
-case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths, 80b-phases, qwen3.5-27b or qwen3.5-35b-a3b}" in
+case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
     timeout "${LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
       tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/test_batched.py tests/mtp_engine/test_sampling.py \
@@ -49,19 +50,21 @@ case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths,
   lossless)
     timeout "${LIMIT:-200}" python3 -u -m mtp_engine.lossless --limit 8 --max-tokens 64 \
       --json "$out/h200-lossless.json" 2>&1 | tail -20 ;;
-  80b|80b-b8|80b-depths|80b-phases)
+  80b|80b-b8|80b-depths|80b-phases|80b-8k)
     # The issue's target settings: prompts of 1K tokens x 128 new tokens, drafts projected at profile
-    # 0.93,0.82,0.64. 80b: 32 prompts at B=32 (~150 s); 80b-b8: 16 prompts at B=8 (~110 s); one-at-a-time
+    # 0.93,0.82,0.64. 80b: 32 prompts at B=32, K=2 and 3 (~180 s); 80b-b8: 16 prompts at B=8 (~110 s); one-at-a-time
     # decoding on the first prompt, the rest of the reference from plain batching. 80b-depths: single-sequence
     # chains K=3..8 on 4 prompts (~450 s). 80b-phases: 80b with each decoder phase timed. One call each.
+    ctx=1024
     case "$1" in
-      80b) args="--limit 32 --batch-sizes 32 --draft-tokens 3 --single-k 3 --single-limit 1" ;;
+      80b-8k) ctx=8192; args="--limit 8 --batch-sizes 8 --draft-tokens 3 --single-k 3 --single-limit 1 --phase-times" ;;
+      80b) args="--limit 32 --batch-sizes 32 --draft-tokens 2 3 --single-k 3 --single-limit 1" ;;
       80b-b8) args="--limit 16 --batch-sizes 8 --draft-tokens 3 --single-k 3 --single-limit 1" ;;
       80b-depths) args="--limit 4 --batch-sizes --single-k 3 4 6 8" ;;
       80b-phases) args="--limit 32 --batch-sizes 32 --draft-tokens 3 --single-k 3 --single-limit 1 --phase-times" ;;
     esac
     timeout "${LIMIT:-580}" $bench --synthetic 80b --suite dataset --acceptance-profile 0.93,0.82,0.64 \
-      --max-tokens 128 --contexts 1024 $args --no-mlx-lm-batch --json "$out/h200-$1.json" 2>&1 | grep -v "^round" ;;
+      --max-tokens 128 --contexts $ctx $args --no-mlx-lm-batch --json "$out/h200-$1.json" 2>&1 | grep -v "^round" ;;
   qwen3.5-27b|qwen3.5-35b-a3b)
     timeout "${LIMIT:-560}" $bench --synthetic "$1" --suite dataset --acceptance-profile 0.93,0.82,0.64 \
       --limit 16 --max-tokens 48 --contexts 1024 --batch-sizes 8 16 --draft-tokens 2 3 --single-k 3 \

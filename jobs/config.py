@@ -26,9 +26,10 @@ examples/prompts.jsonl: batched chain B=32 K=2 861 tok/s against 797 for
 plain batching at its best (B=64) and 425 for the single-sequence chain
 (loop-driven; over the 13 loop-free prompts 1.03x plain batching). H200:
 plain batching B=32, 7% ahead of the best batched chain on the shipped
-model as last measured, before `grouped_moe`; on the 80B-A3B shapes
-(1K-token prompts, projected at profile 0.93,0.82,0.64) batched chain K=3
-now leads at B=8 and B=32 (1.33x / 1.17x), so the shipped model's H200
+model as last measured, before `grouped_moe` (`moe_kernel` does not run on
+its unquantized experts); on the 80B-A3B shapes (1K-token prompts,
+projected at profile 0.93,0.82,0.64) batched chain K=3 leads at B=8 and
+B=32 (1.30-1.48x / 1.19-1.34x with prefill), so the shipped model's H200
 figures are due for a re-run before this changes."""
 
 AUTO_SAMPLED = ("baseline", None, 32)

@@ -100,6 +100,11 @@ class EngineOptions:
             selections each expert's tokens run in blocks of rows, so an
             expert's weights are read once per block (None: on CUDA, whose
             ``gather_qmm`` reads them once per selection).
+        moe_kernel: With ``contiguous_moe``, forwards of up to 16 tokens a
+            row (decoding, drafts, verify forwards) run the expert products
+            of 4- and 8-bit experts in the engine's CUDA kernel, which reads
+            an expert's weights once for several of its tokens (None: on
+            CUDA); prefill keeps MLX's products (``grouped_moe``).
         state_capture: Verify forwards record per-token recurrent states, so
             a commit is a lookup; False snapshots and replays instead.
         cudnn_attention: cuDNN's fused attention on CUDA (MLX's default);
@@ -121,6 +126,7 @@ class EngineOptions:
     contiguous_moe: bool = True
     moe_sort_min: int | None = None
     grouped_moe: bool | None = None
+    moe_kernel: bool | None = None
     state_capture: bool = True
     cudnn_attention: bool = False
 

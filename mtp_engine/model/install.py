@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchGLU
 
 from mtp_engine.kernels import cpu_activations, recurrence
 from mtp_engine.model.activations import install_fast_activations
 from mtp_engine.model.compiled import install_compiled_layers
 from mtp_engine.model.gated_delta import gated_delta_layers, install_state_capture
-from mtp_engine.model.moe import GROUP_ROWS, MLX_LM_SORT_MIN, install_moe_blocks
+from mtp_engine.model.moe import (
+    GROUP_ROWS,
+    KERNEL_MAX_TOKENS,
+    MLX_LM_SORT_MIN,
+    install_moe_blocks,
+)
 from mtp_engine.model.quantized import install_flat_quantized
 from mtp_engine.model.rowwise import install_rowwise_linears
 from mtp_engine.options import (
@@ -72,16 +78,23 @@ def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOpti
     statuses.append(decide("contiguous_moe", options.contiguous_moe, True, None,
                            f"routing indices copied once; tokens sorted by expert from {sort_min} selections"))
     compiled = decide("compile_layers", options.compile_layers, on_cpu, None, "decode and verify widths up to 16")
-    grouped = decide("grouped_moe", options.grouped_moe, on_cuda,
-                     "needs contiguous_moe" if not options.contiguous_moe else
-                     "compiled layers cannot read an expert's token count back" if compiled.state == "on" else None,
-                     f"each expert's tokens in blocks of {GROUP_ROWS} rows from {GPU_MOE_GROUP_MIN} selections")
-    statuses.append(grouped)
+    switches = [m for m in model.modules() if isinstance(m, SwitchGLU)]
+    if on_cuda:
+        from mtp_engine.kernels import cuda_moe
+    kernel = decide("moe_kernel", options.moe_kernel, on_cuda,
+                    "needs contiguous_moe" if not options.contiguous_moe else
+                    "not MLX's CUDA backend" if not on_cuda else
+                    "the model has no routed experts" if not switches else cuda_moe.fits(switches[0]),
+                    f"forwards of up to {KERNEL_MAX_TOKENS} tokens a row read each expert's weights once")
+    grouped = decide("grouped_moe", options.grouped_moe, on_cuda, "needs contiguous_moe" if not options.contiguous_moe
+                     else None, f"each expert's tokens in blocks of {GROUP_ROWS} rows from {GPU_MOE_GROUP_MIN} selections")
+    statuses += [grouped, kernel]
     if options.contiguous_moe:
-        # The head's blocks never group: its draft forwards run compiled,
-        # and grouping reads the experts' counts back.
-        install_moe_blocks(model, sort_min=sort_min, group_min=GPU_MOE_GROUP_MIN if grouped.state == "on" else None)
-        install_moe_blocks(head, sort_min=sort_min)
+        group_min = GPU_MOE_GROUP_MIN if grouped.state == "on" else None
+        head_switches = [m for m in head.modules() if isinstance(m, SwitchGLU)]
+        install_moe_blocks(model, sort_min=sort_min, group_min=group_min, expert_kernel=kernel.state == "on")
+        install_moe_blocks(head, sort_min=sort_min, group_min=group_min, expert_kernel=kernel.state == "on"
+                           and bool(head_switches) and cuda_moe.fits(head_switches[0]) is None)
 
     rowwise = decide("rowwise_linears", options.rowwise_linears, on_cuda, None, "few-row dense products row by row")
     statuses.append(rowwise)

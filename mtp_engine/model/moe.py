@@ -74,30 +74,44 @@ def grouped_switch_glu(switch: SwitchGLU, x: mx.array, indices: mx.array, rows: 
     ``[..., k]``, each expert's products over blocks of ``rows`` of its
     tokens: the selections, sorted by expert, become the rows of ``[blocks,
     rows, dim]``, each block one expert's (zero rows pad its last), so an
-    expert's weights are read once per block, not once per selection. The
-    block layout needs the experts' counts on the host (one read-back).
-    Returns ``[..., k, dim]``."""
+    expert's weights are read once per block, not once per selection.
+    Returns ``[..., k, dim]``.
+
+    The layout is computed on the device (no read-back, so compiled code can
+    run it): ``selections // rows + experts + 1`` blocks bound what any
+    routing needs, and the spare blocks (all zero rows) go to the last
+    expert."""
     k, dim = indices.shape[-1], x.shape[-1]
+    experts = switch.up_proj.num_experts
     flat = indices.flatten().astype(mx.int32)
-    counts = mx.zeros((switch.up_proj.num_experts,), mx.int32).at[flat].add(1).tolist()
+    n = flat.size
+    n_blocks = n // rows + min(experts, n) + 1
+    counts = mx.zeros((experts,), mx.int32).at[flat].add(1)
+    blocks = (counts + rows - 1) // rows
+    first_block = mx.cumsum(blocks) - blocks  # each expert's first block
+    first_place = mx.cumsum(counts) - counts  # and its first place in the sorted order
     order = mx.argsort(flat)
     sorted_experts = flat[order]
-    blocks = [-(-c // rows) for c in counts]
-    # Per expert: its first row in the layout minus its first place in the
-    # sorted order, so sorted place j of expert e lands on row j + shift[e].
-    shift, first_row, first_place = [], 0, 0
-    for count, n in zip(counts, blocks):
-        shift.append(first_row - first_place)
-        first_row += n * rows
-        first_place += count
-    row = mx.arange(flat.size, dtype=mx.int32) + mx.array(shift, dtype=mx.int32)[sorted_experts]
+    # Sorted place j of expert e lands on row first_block[e] * rows + j - first_place[e].
+    row = mx.arange(n, dtype=mx.int32) + (first_block * rows - first_place)[sorted_experts]
     slots = mx.zeros_like(flat).at[order].add(row)  # each selection's row, in routing order
-    grouped = mx.zeros((sum(blocks) * rows, dim), x.dtype)
+    # Block b belongs to the last expert whose first block is at or before it
+    # (experts without tokens share their successor's first block).
+    starts = mx.zeros((n_blocks + 1,), mx.int32).at[first_block].add(1)
+    block_expert = (mx.cumsum(starts)[:n_blocks] - 1).astype(mx.uint32)
+    grouped = mx.zeros((n_blocks * rows, dim), x.dtype)
     grouped[slots] = mx.repeat(x.reshape(-1, dim), k, axis=0)
-    grouped = grouped.reshape(-1, rows, dim)
-    expert = mx.array([e for e, n in enumerate(blocks) for _ in range(n)], dtype=mx.uint32)
-    y = switch.down_proj(switch.activation(switch.up_proj(grouped, expert), switch.gate_proj(grouped, expert)), expert)
+    grouped = grouped.reshape(n_blocks, rows, dim)
+    y = switch.down_proj(switch.activation(switch.up_proj(grouped, block_expert),
+                                           switch.gate_proj(grouped, block_expert)), block_expert)
     return y.reshape(-1, y.shape[-1])[slots].reshape(*indices.shape, -1)
+
+
+KERNEL_MAX_TOKENS = 16
+"""With `EngineSparseMoeBlock.expert_kernel`, forwards of up to this many
+tokens a row take the kernel: decoding, drafts and verify forwards (chains
+of up to 15 drafts), which must share its arithmetic; longer ones (prompt
+prefill) take MLX's products, grouped from ``group_min`` selections."""
 
 
 class EngineSparseMoeBlock(Qwen3NextSparseMoeBlock):
@@ -107,10 +121,14 @@ class EngineSparseMoeBlock(Qwen3NextSparseMoeBlock):
         sort_min: Routed selections from which the experts' tokens are sorted.
         group_min: Routed selections from which each expert's tokens run in
             blocks (`grouped_switch_glu`), or None: never.
+        expert_kernel: Forwards of up to `KERNEL_MAX_TOKENS` tokens a row
+            run their expert products in the CUDA kernel
+            (`mtp_engine.kernels.cuda_moe`).
     """
 
     sort_min: int = MLX_LM_SORT_MIN
     group_min: int | None = None
+    expert_kernel: bool = False
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.sharding_group is not None:  # the distributed path stays mlx-lm's
@@ -121,11 +139,19 @@ class EngineSparseMoeBlock(Qwen3NextSparseMoeBlock):
         scores = mx.take_along_axis(gates, inds, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
-        y = (switch_glu(self.switch_mlp, x, inds, self.sort_min, self.group_min) * scores[..., None]).sum(axis=-2)
+        if self.expert_kernel and (x.ndim < 2 or x.shape[-2] <= KERNEL_MAX_TOKENS):
+            # Imported here: the kernel is only installed on CUDA backends.
+            from mtp_engine.kernels import cuda_moe
+
+            y = cuda_moe.switch_glu(self.switch_mlp, x, inds)
+        else:
+            y = switch_glu(self.switch_mlp, x, inds, self.sort_min, self.group_min)
+        y = (y * scores[..., None]).sum(axis=-2)
         return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
-def install_moe_blocks(*modules: nn.Module, sort_min: int = MLX_LM_SORT_MIN, group_min: int | None = None) -> int:
+def install_moe_blocks(*modules: nn.Module, sort_min: int = MLX_LM_SORT_MIN, group_min: int | None = None,
+                       expert_kernel: bool = False) -> int:
     """Swap every ``Qwen3NextSparseMoeBlock`` under ``modules`` for an
     `EngineSparseMoeBlock` sharing its weights; returns how many."""
 
@@ -133,6 +159,7 @@ def install_moe_blocks(*modules: nn.Module, sort_min: int = MLX_LM_SORT_MIN, gro
         new = share_weights(EngineSparseMoeBlock, block)
         new.sort_min = sort_min
         new.group_min = group_min
+        new.expert_kernel = expert_kernel
         return new
 
     return swap_modules(modules, {Qwen3NextSparseMoeBlock: swap})

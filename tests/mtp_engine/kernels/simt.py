@@ -4,7 +4,8 @@ The wrapper is built the way MLX 0.32's CUDA backend builds a custom
 kernel (inputs as ``const T*``, outputs as ``T*``, template arguments as
 ``constexpr`` constants or type aliases ahead of the body), then compiled
 with the system's C++ compiler and called through ctypes on numpy copies of
-the inputs. One block only (what the engine's one-block kernels launch).
+the inputs. The blocks of a grid run one after another; an input whose
+``NAME_shape`` the body reads gets its shape as MLX passes it.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import numpy as np
 
 HERE = Path(__file__).parent
 _BUILD = Path(tempfile.gettempdir()) / "mtp-simt"
-_TYPES = {mx.float32: "float", mx.int32: "int32_t", mx.bfloat16: "__nv_bfloat16"}
-_NUMPY = {mx.float32: np.float32, mx.int32: np.int32, mx.bfloat16: np.uint16}
+_TYPES = {mx.float32: "float", mx.int32: "int32_t", mx.uint32: "uint32_t", mx.bfloat16: "__nv_bfloat16"}
+_NUMPY = {mx.float32: np.float32, mx.int32: np.int32, mx.uint32: np.uint32, mx.bfloat16: np.uint16}
 
 
 def compiler() -> str | None:
@@ -41,7 +42,11 @@ def _to_mx(a: np.ndarray, dtype) -> mx.array:
 
 
 def _source(header, body, names, inputs, out_names, out_dtypes, template) -> str:
-    params = [f"const {_TYPES[a.dtype]}* {n}" for n, a in zip(names, inputs)]
+    params = []
+    for n, a in zip(names, inputs):
+        params.append(f"const {_TYPES[a.dtype]}* {n}")
+        if f"{n}_shape" in body:
+            params.append(f"const int32_t* {n}_shape")
     params += [f"{_TYPES[d]}* {n}" for n, d in zip(out_names, out_dtypes)]
     consts = []
     for name, value in template:
@@ -51,10 +56,16 @@ def _source(header, body, names, inputs, out_names, out_dtypes, template) -> str
             consts.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
         else:
             consts.append(f"  constexpr int {name} = {value};")
-    casts = [
-        f"({'const ' if i < len(inputs) else ''}{_TYPES[d]}*)ptrs[{i}]"
-        for i, d in enumerate([a.dtype for a in inputs] + list(out_dtypes))
-    ]
+    casts, i = [], 0
+    for n, a in zip(names, inputs):
+        casts.append(f"(const {_TYPES[a.dtype]}*)ptrs[{i}]")
+        i += 1
+        if f"{n}_shape" in body:
+            casts.append(f"(const int32_t*)ptrs[{i}]")
+            i += 1
+    for d in out_dtypes:
+        casts.append(f"({_TYPES[d]}*)ptrs[{i}]")
+        i += 1
     return "\n".join([
         '#include "simt_emu.h"',
         header,
@@ -62,14 +73,17 @@ def _source(header, body, names, inputs, out_names, out_dtypes, template) -> str
         *consts,
         body,
         "}",
-        'extern "C" void launch(void** ptrs, int threads) {',
-        "  simt::run(threads, [&] { kernel(" + ", ".join(casts) + "); });",
+        'extern "C" void launch(void** ptrs, int gx, int gy, int gz, int bx, int by) {',
+        "  simt::run(gx, gy, gz, bx, by, [&] { kernel(" + ", ".join(casts) + "); });",
         "}",
     ])
 
 
-def run(header, body, names, inputs, out_names, template, shapes, dtypes, threads=64) -> list[mx.array]:
-    """The kernel's outputs (as MLX arrays) for one block of ``threads``."""
+def run(header, body, names, inputs, out_names, template, shapes, dtypes, threads=64,
+        grid=None, threadgroup=None) -> list[mx.array]:
+    """The kernel's outputs (as MLX arrays) for one block of ``threads``, or
+    for ``grid`` and ``threadgroup`` (in threads, as ``mx.fast.cuda_kernel``
+    takes them; blocks of at most two dimensions)."""
     inputs = [mx.contiguous(a) for a in inputs]
     mx.eval(inputs)
     text = _source(header, body, names, inputs, out_names, dtypes, template)
@@ -86,7 +100,19 @@ def run(header, body, names, inputs, out_names, template, shapes, dtypes, thread
         )
         tmp.rename(lib)
     fn = ctypes.CDLL(str(lib)).launch
-    arrays = [_numpy(a) for a in inputs] + [np.zeros(s, dtype=_NUMPY[d]) for s, d in zip(shapes, dtypes)]
+    arrays = []
+    for n, a in zip(names, inputs):
+        arrays.append(_numpy(a))
+        if f"{n}_shape" in body:
+            arrays.append(np.array(a.shape, dtype=np.int32))
+    outputs = [np.zeros(s, dtype=_NUMPY[d]) for s, d in zip(shapes, dtypes)]
+    arrays += outputs
     ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
-    fn(ptrs, ctypes.c_int(threads))
-    return [_to_mx(a, d) for a, d in zip(arrays[len(inputs):], dtypes)]
+    if grid is None:
+        grid, threadgroup = (threads, 1, 1), (threads, 1, 1)
+    block = [min(t, g) for t, g in zip(threadgroup, grid)]
+    if block[2] != 1:
+        raise ValueError(f"the emulator runs blocks of at most two dimensions, not {threadgroup}")
+    blocks = [-(-g // t) for g, t in zip(grid, block)]
+    fn(ptrs, *[ctypes.c_int(v) for v in blocks + block[:2]])
+    return [_to_mx(a, d) for a, d in zip(outputs, dtypes)]

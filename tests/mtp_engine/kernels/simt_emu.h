@@ -1,8 +1,9 @@
-// A small SIMT emulator: runs a CUDA kernel body written for one thread
-// block on the CPU, one std::thread per CUDA thread, so the tests can check
-// a kernel's logic (indexing, phases, warp reductions) on machines without
-// a GPU. __syncthreads is a barrier of the block, __syncwarp and the warp
-// shuffles barriers of the warp; __shared__ variables are function statics
+// A small SIMT emulator: runs a CUDA kernel body on the CPU, one block after
+// another and one std::thread per CUDA thread of a block, so the tests can
+// check a kernel's logic (indexing, phases, warp reductions) on machines
+// without a GPU. __syncthreads is a barrier of the block, __syncwarp and the
+// warp shuffles barriers of the warp (32 consecutive threads of the block, x
+// fastest, as CUDA numbers them); __shared__ variables are function statics
 // (one copy, seen by every thread). Only what the engine's kernels use.
 
 #pragma once
@@ -10,6 +11,7 @@
 #include <algorithm>
 #include <barrier>
 #include <cmath>
+#include <math.h>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -21,10 +23,13 @@ struct simt_dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
 inline thread_local simt_dim3 threadIdx;
-inline simt_dim3 blockDim;
+inline simt_dim3 blockDim, blockIdx, gridDim;
 
 struct uint4 {
   uint32_t x, y, z, w;
+};
+struct uint2 {
+  uint32_t x, y;
 };
 
 // bfloat16 storage with float conversions (round to nearest even), as CUDA's.
@@ -58,31 +63,52 @@ namespace simt {
 inline std::unique_ptr<std::barrier<>> block_barrier;
 inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
 inline std::vector<uint64_t> slots;  // 32 per warp
+inline thread_local int tid;         // the thread's number in its block
 
-inline void run(int threads, const std::function<void()>& body) {
-  blockDim.x = threads;
-  blockDim.y = blockDim.z = 1;
-  block_barrier = std::make_unique<std::barrier<>>(threads);
-  warp_barriers.clear();
-  for (int w = 0; w < threads / 32; w++) warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
-  slots.assign(threads, 0);
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; t++) {
-    pool.emplace_back([t, &body] {
-      threadIdx.x = t;
-      body();
-    });
+// Every block of grid (gx, gy, gz) blocks of (bx, by) threads, one after another.
+inline void run(int gx, int gy, int gz, int bx, int by, const std::function<void()>& body) {
+  const int threads = bx * by;
+  blockDim.x = bx;
+  blockDim.y = by;
+  blockDim.z = 1;
+  gridDim.x = gx;
+  gridDim.y = gy;
+  gridDim.z = gz;
+  for (int z = 0; z < gz; z++) {
+    for (int y = 0; y < gy; y++) {
+      for (int x = 0; x < gx; x++) {
+        blockIdx.x = x;
+        blockIdx.y = y;
+        blockIdx.z = z;
+        block_barrier = std::make_unique<std::barrier<>>(threads);
+        warp_barriers.clear();
+        for (int w = 0; w < threads / 32; w++) warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
+        slots.assign(threads, 0);
+        std::vector<std::thread> pool;
+        for (int t = 0; t < threads; t++) {
+          pool.emplace_back([t, bx, &body] {
+            tid = t;
+            threadIdx.x = t % bx;
+            threadIdx.y = t / bx;
+            threadIdx.z = 0;
+            body();
+          });
+        }
+        for (auto& th : pool) th.join();
+      }
+    }
   }
-  for (auto& th : pool) th.join();
 }
+
+inline void run(int threads, const std::function<void()>& body) { run(1, 1, 1, threads, 1, body); }
 }  // namespace simt
 
 inline void __syncthreads() { simt::block_barrier->arrive_and_wait(); }
-inline void __syncwarp() { simt::warp_barriers[threadIdx.x >> 5]->arrive_and_wait(); }
+inline void __syncwarp() { simt::warp_barriers[simt::tid >> 5]->arrive_and_wait(); }
 
 template <typename T>
 T __shfl_xor_sync(unsigned, T v, int lane_mask) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = simt::tid & 31, warp = simt::tid >> 5;
   uint64_t bits = 0;
   std::memcpy(&bits, &v, sizeof(T));
   simt::slots[warp * 32 + lane] = bits;

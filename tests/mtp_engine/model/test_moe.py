@@ -79,12 +79,34 @@ def test_grouped_expert_products_give_the_blocks_values(quantized, tokens):
 
 
 def test_grouped_expert_products_are_a_reported_fast_path(tiny_path):
+    """The block layout stays on the device, so compiled layers (the CPU's
+    default) and the head's compiled draft forwards group too."""
     from mtp_engine import MTPEngine
 
-    engine = MTPEngine.load(tiny_path, grouped_moe=True, compile_layers=False)
-    assert {layer.mlp.group_min for layer in engine.model.layers} == {GPU_MOE_GROUP_MIN}
-    assert next(s for s in engine.fast_paths if s.name == "grouped_moe").state == "on"
-    compiled = MTPEngine.load(tiny_path, grouped_moe=True)  # compiled layers on the CPU by default
-    status = next(s for s in compiled.fast_paths if s.name == "grouped_moe")
-    assert status.state == "unavailable" and "compiled layers" in status.detail
-    assert {layer.mlp.group_min for layer in compiled.model.layers} == {None}
+    for compiled in (False, True):
+        engine = MTPEngine.load(tiny_path, grouped_moe=True, compile_layers=compiled)
+        blocks = [layer.mlp for layer in engine.model.layers] + [layer.mlp for layer in engine.checkpoint.head.layers]
+        assert {block.group_min for block in blocks} == {GPU_MOE_GROUP_MIN}
+        assert next(s for s in engine.fast_paths if s.name == "grouped_moe").state == "on"
+
+
+def test_grouped_expert_products_compile():
+    """`grouped_switch_glu` under ``mx.compile`` (no read-back) gives the
+    eager values."""
+    mx.random.seed(3)
+    args = ModelArgs.from_dict(tiny_config(num_experts=16))
+    ours = share_weights(EngineSparseMoeBlock, Qwen3NextSparseMoeBlock(args))
+    ours.group_min = 1
+    x = mx.random.normal((2, 21, args.hidden_size))
+    assert mx.array_equal(mx.compile(ours)(x), ours(x)).item()
+
+
+def test_the_expert_kernel_is_reported_where_it_cannot_run(tiny_path):
+    from mtp_engine import MTPEngine
+
+    status = next(s for s in MTPEngine.load(tiny_path).fast_paths if s.name == "moe_kernel")
+    assert (status.state, status.detail) == ("off", "the default on this backend")
+    forced = MTPEngine.load(tiny_path, moe_kernel=True)
+    status = next(s for s in forced.fast_paths if s.name == "moe_kernel")
+    assert (status.state, status.detail) == ("unavailable", "not MLX's CUDA backend")
+    assert not any(layer.mlp.expert_kernel for layer in forced.model.layers)

@@ -1,0 +1,116 @@
+"""Every expert's quantized products over its routed tokens, in two CUDA launches.
+
+MLX 0.32's CUDA ``gather_qmm`` computes one single-row product per (token,
+expert) selection, so each selection reads its expert's weights again: at
+top-10 routing a decoding batch of 32 rows reads 320 experts' weights where
+about 240 distinct ones would do, and a verify forward of 32 x 4 tokens reads
+1280. This kernel (``cuda/moe_products.cu``) runs over the selections sorted
+by expert, a few consecutive ones per warp, and reads each expert's weights
+among them once. `switch_glu` is the whole ``SwitchGLU``: gate and up
+products with the activation in one launch, the down product in a second
+that writes the rows back in routing order. The sort and the experts'
+positions stay on the device (no read-back), so compiled code can run it.
+
+A selection's value does not depend on which other selections share the
+launch, so one-token decoding and a verify forward of the same token give
+the same bits (MLX's sorted and unsorted products need not).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.switch_layers import SwiGLU
+
+SOURCES = Path(__file__).parent / "cuda"
+
+ROWS = 4
+"""Consecutive sorted selections a warp runs, reading each expert's weights
+among them once. More share fewer reads but hold more registers: on the
+H200 (80B-A3B shapes) 4 beat 2, 8 and 16 from 10 to 10,240 selections."""
+
+WARPS = 8
+"""Warps per thread block."""
+
+
+def _features_per_warp(k: int) -> int:
+    # One output feature a warp over long rows (the gate and up products,
+    # run together), two over short ones (the down product).
+    return 1 if k >= 1024 else 2
+
+
+def fits(switch) -> str | None:
+    """None when ``switch`` (an mlx-lm ``SwitchGLU``) has experts the kernel
+    runs, else why not."""
+    if not isinstance(switch.activation, SwiGLU):
+        return f"experts with a {type(switch.activation).__name__} activation"
+    gate, up, down = switch.gate_proj, switch.up_proj, switch.down_proj
+    for linear in (gate, up, down):
+        if getattr(linear, "mode", "affine") != "affine" or getattr(linear, "biases", None) is None:
+            return "experts not affine-quantized"
+        if "bias" in linear:
+            return "experts with a bias"
+        if linear.bits not in (4, 8):
+            return f"{linear.bits}-bit experts"
+        n, k = linear.output_dims, linear.input_dims
+        per_lane = 16 if linear.bits == 4 else 8  # 8 bytes of packed weights a lane
+        if k % (32 * per_lane) or linear.group_size % per_lane:
+            return f"expert inputs of {k} do not split over a warp"
+        if n % (_features_per_warp(k) * WARPS):
+            return f"expert outputs of {n} do not split over {WARPS} warps"
+    if (gate.bits, gate.group_size, gate.scales.dtype) != (up.bits, up.group_size, up.scales.dtype):
+        return "gate and up experts quantized differently"
+    return None
+
+
+INPUT_NAMES = ["x", "perm", "experts", "w0", "s0", "b0", "w1", "s1", "b1"]
+OUTPUT_NAMES = ["y"]
+
+
+def source() -> str:
+    return (SOURCES / "moe_products.cu").read_text()
+
+
+def header() -> str:
+    return (SOURCES / "moe_products.cuh").read_text()
+
+
+@cache
+def kernel():
+    """The compiled kernel (``mx.fast.cuda_kernel``'s calling convention)."""
+    return mx.fast.cuda_kernel(name="mtp_moe_products", input_names=INPUT_NAMES, output_names=OUTPUT_NAMES,
+                               source=source(), header=header())
+
+
+def _products(run, x: mx.array, perm: mx.array, experts: mx.array, first, second) -> mx.array:
+    k, n = first.input_dims, first.output_dims
+    nw = _features_per_warp(k)
+    glu = second is not None
+    second = second or first
+    selections = experts.size
+    return run(
+        inputs=[x, perm, experts, first.weight, first.scales, first.biases,
+                second.weight, second.scales, second.biases],
+        template=[("InT", x.dtype), ("ST", first.scales.dtype), ("K", k), ("N", n), ("BITS", first.bits),
+                  ("GROUP", first.group_size), ("NW", nw), ("R", ROWS), ("GLU", int(glu))],
+        grid=(32, n // nw, -(-selections // ROWS)),
+        threadgroup=(32, WARPS, 1),
+        output_shapes=[(selections, n)],
+        output_dtypes=[x.dtype],
+    )[0]
+
+
+def switch_glu(switch, x: mx.array, indices: mx.array, run=None) -> mx.array:
+    """mlx-lm's ``SwitchGLU`` (quantized experts that `fits` accepts) over
+    ``x`` ``[..., dim]`` routed to ``indices`` ``[..., k]``: ``[..., k, dim]``.
+    ``run`` stands in for `kernel` (the tests' emulator)."""
+    run = run or kernel()
+    k, dim = indices.shape[-1], x.shape[-1]
+    flat = indices.flatten().astype(mx.int32)
+    order = mx.argsort(flat).astype(mx.int32)  # the selections sorted by expert
+    experts = flat[order]
+    hidden = _products(run, x.reshape(-1, dim), order // k, experts, switch.gate_proj, switch.up_proj)
+    y = _products(run, hidden, order, experts, switch.down_proj, None)
+    return y.reshape(*indices.shape, y.shape[-1])

@@ -1,0 +1,85 @@
+"""The expert-product kernel (`mtp_engine.kernels.cuda_moe`).
+
+Everywhere: its CUDA source runs on the CPU under the SIMT emulator
+(`tests/mtp_engine/kernels/simt_emu.h`) and must give mlx-lm's ``SwitchGLU``
+values (to the rounding of its own summation order), and a token's rows must
+have the same bits whether it comes alone or among many: decoding one token
+and verifying it among drafts share that arithmetic, which greedy output
+needs. On a CUDA machine the same checks run on the GPU.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_map
+from mlx_lm.models.switch_layers import SwitchGLU
+
+from mtp_engine.kernels import cuda_moe
+from tests.mtp_engine.kernels import simt
+
+ON_CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
+needs_compiler = pytest.mark.skipif(simt.compiler() is None, reason="needs a C++20 compiler for the emulator")
+
+
+def emulated(**launch):
+    """``mx.fast.cuda_kernel``'s call, run by the emulator."""
+    template = launch["template"]
+    return simt.run(cuda_moe.header(), cuda_moe.source(), cuda_moe.INPUT_NAMES, launch["inputs"],
+                    cuda_moe.OUTPUT_NAMES, template, launch["output_shapes"], launch["output_dtypes"],
+                    grid=launch["grid"], threadgroup=launch["threadgroup"])
+
+
+RUNS = [pytest.param(emulated, id="emulated", marks=needs_compiler)]
+if ON_CUDA:
+    RUNS.append(pytest.param(None, id="cuda"))
+
+
+def experts(bits: int, group_size: int, dtype, dim: int = 512, hidden: int = 512, n: int = 8) -> SwitchGLU:
+    mx.random.seed(bits + group_size)
+    switch = SwitchGLU(dim, hidden, n)
+    nn.quantize(switch, group_size=group_size, bits=bits)
+    switch.set_dtype(dtype)
+    return switch
+
+
+def in_float32(switch: SwitchGLU, bits: int, group_size: int, dim: int) -> SwitchGLU:
+    """The same experts (their scales exactly) computed in float32."""
+    ref = experts(bits, group_size, mx.float32, dim, dim)
+    ref.update(tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
+                        switch.parameters()))
+    return ref
+
+
+def routing(dim: int, dtype, seed: int = 0):
+    """Two tokens routed to 3 of 8 experts: both to experts 0 and 2 (in
+    different places), one each to 1 and 5, none to the rest."""
+    x = mx.random.normal((2, dim), key=mx.random.key(seed)).astype(dtype)
+    return x, mx.array([[0, 1, 2], [2, 0, 5]], dtype=mx.uint32)
+
+
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("bits, group_size, dtype, dim", [(4, 64, mx.float32, 512), (8, 32, mx.bfloat16, 256)])
+def test_kernel_gives_switch_glu_values(run, bits, group_size, dtype, dim):
+    """Two tokens routed to 3 of 8 experts (`routing`): mlx-lm's values in float32 (in bfloat16 to its rounding of the
+    products and the activation); the first token alone gets the same bits."""
+    switch = experts(bits, group_size, dtype, dim, dim)
+    assert cuda_moe.fits(switch) is None
+    x, indices = routing(dim, dtype, seed=bits)
+    ours = cuda_moe.switch_glu(switch, x, indices, run)
+    ref = in_float32(switch, bits, group_size, dim)(x.astype(mx.float32), indices)
+    assert ours.shape == ref.shape == (2, 3, dim) and ours.dtype == dtype
+    scale = mx.abs(ref).max().item()
+    tol = 1e-5 if dtype == mx.float32 else 2e-2
+    assert mx.abs(ours.astype(mx.float32) - ref).max().item() <= tol * scale
+    alone = cuda_moe.switch_glu(switch, x[:1], indices[:1], run)
+    assert mx.array_equal(alone[0], ours[0]).item()
+
+
+def test_fits_names_what_the_kernel_cannot_run():
+    assert cuda_moe.fits(SwitchGLU(512, 512, 4)) == "experts not affine-quantized"
+    assert cuda_moe.fits(experts(3, 64, mx.float32)) == "3-bit experts"
+    assert cuda_moe.fits(experts(4, 64, mx.float32, dim=384)) == "expert inputs of 384 do not split over a warp"
+    assert cuda_moe.fits(experts(4, 64, mx.float32)) is None
+    assert cuda_moe.fits(SwitchGLU(512, 512, 4, activation=nn.GELU())) == "experts with a GELU activation"
