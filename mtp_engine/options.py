@@ -35,9 +35,10 @@ expert: prefill chunks do, verify forwards and decoding batches do not."""
 
 GPU_MOE_GROUP_MIN = 1024
 """Routed selections from which `EngineOptions.grouped_moe` runs each
-expert's tokens in blocks: at top-10 routing, prompt prefill chunks and
-verify forwards of 32 rows x 4 tokens (1280) do; decoding batches of 32
-rows (320), where MLX's own products were faster on the H200, do not."""
+expert's tokens in blocks: at top-10 routing, prompt prefill chunks do (and,
+with `EngineOptions.moe_kernel` off, verify forwards of 32 rows x 4 tokens,
+1280); decoding batches of 32 rows (320), where MLX's own products were
+faster on the H200, do not."""
 
 CUDNN_ATTENTION = "MLX_CUDA_USE_CUDNN_SDPA"
 """MLX's own switch for cuDNN attention on CUDA, which `apply_process_settings`

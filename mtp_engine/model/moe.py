@@ -25,6 +25,10 @@ Sorted or not, MLX's CUDA ``gather_qmm`` runs one single-row product per
 `EngineSparseMoeBlock.group_min` selections (`EngineOptions.grouped_moe`, on
 CUDA) `grouped_switch_glu` lays each expert's tokens out as blocks of
 `GROUP_ROWS` rows, so each product reads an expert's weights once per block.
+With `EngineSparseMoeBlock.expert_kernel` (`EngineOptions.moe_kernel`, on
+CUDA) forwards of up to `KERNEL_MAX_TOKENS` tokens a row run the engine's
+own kernel (`mtp_engine.kernels.cuda_moe`) instead, whose per-token
+arithmetic does not depend on the batch; prompt prefill keeps the above.
 """
 
 from __future__ import annotations
