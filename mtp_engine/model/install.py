@@ -22,6 +22,7 @@ from mtp_engine.model.moe import (
     GROUP_ROWS,
     KERNEL_MAX_TOKENS,
     MLX_LM_SORT_MIN,
+    EngineSparseMoeBlock,
     install_moe_blocks,
 )
 from mtp_engine.model.quantized import install_flat_quantized
@@ -46,6 +47,28 @@ def decide(name: str, wanted: bool | None, default: bool, why_not: str | None, o
     if why_not is not None:
         return FastPathStatus(name, "unavailable", why_not)
     return FastPathStatus(name, "on", on)
+
+
+def _moe_kernel(model: nn.Module, head: nn.Module, options: EngineOptions, on_cuda: bool) -> FastPathStatus:
+    """The `moe_kernel` fast path's status: on where some MoE block's experts
+    are ones the kernel runs (``cuda_moe.fits``)."""
+    switches = [m for module in (model, head) for m in module.modules() if isinstance(m, SwitchGLU)]
+    why, runs = None, 0
+    if not options.contiguous_moe:
+        why = "needs contiguous_moe"
+    elif not on_cuda:
+        why = "not MLX's CUDA backend"
+    elif not switches:
+        why = "the model has no routed experts"
+    else:
+        from mtp_engine.kernels import cuda_moe
+
+        reasons = [cuda_moe.fits(switch) for switch in switches]
+        runs = reasons.count(None)
+        why = None if runs else reasons[0]
+    some = "" if runs == len(switches) else f" ({runs} of {len(switches)} MoE blocks; the rest keep MLX's)"
+    return decide("moe_kernel", options.moe_kernel, on_cuda, why,
+                  f"forwards of up to {KERNEL_MAX_TOKENS} tokens a row read each expert's weights once{some}")
 
 
 def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOptions) -> list[FastPathStatus]:
@@ -78,23 +101,20 @@ def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOpti
     statuses.append(decide("contiguous_moe", options.contiguous_moe, True, None,
                            f"routing indices copied once; tokens sorted by expert from {sort_min} selections"))
     compiled = decide("compile_layers", options.compile_layers, on_cpu, None, "decode and verify widths up to 16")
-    switches = [m for m in model.modules() if isinstance(m, SwitchGLU)]
-    if on_cuda:
-        from mtp_engine.kernels import cuda_moe
-    kernel = decide("moe_kernel", options.moe_kernel, on_cuda,
-                    "needs contiguous_moe" if not options.contiguous_moe else
-                    "not MLX's CUDA backend" if not on_cuda else
-                    "the model has no routed experts" if not switches else cuda_moe.fits(switches[0]),
-                    f"forwards of up to {KERNEL_MAX_TOKENS} tokens a row read each expert's weights once")
     grouped = decide("grouped_moe", options.grouped_moe, on_cuda, "needs contiguous_moe" if not options.contiguous_moe
                      else None, f"each expert's tokens in blocks of {GROUP_ROWS} rows from {GPU_MOE_GROUP_MIN} selections")
+    kernel = _moe_kernel(model, head, options, on_cuda)
     statuses += [grouped, kernel]
     if options.contiguous_moe:
-        group_min = GPU_MOE_GROUP_MIN if grouped.state == "on" else None
-        head_switches = [m for m in head.modules() if isinstance(m, SwitchGLU)]
-        install_moe_blocks(model, sort_min=sort_min, group_min=group_min, expert_kernel=kernel.state == "on")
-        install_moe_blocks(head, sort_min=sort_min, group_min=group_min, expert_kernel=kernel.state == "on"
-                           and bool(head_switches) and cuda_moe.fits(head_switches[0]) is None)
+        install_moe_blocks(model, head, sort_min=sort_min,
+                           group_min=GPU_MOE_GROUP_MIN if grouped.state == "on" else None)
+        if kernel.state == "on":
+            from mtp_engine.kernels import cuda_moe
+
+            # Each block whose experts it runs: a mixed quantization may leave some to MLX.
+            for block in (m for module in (model, head) for m in module.modules()
+                          if isinstance(m, EngineSparseMoeBlock)):
+                block.expert_kernel = cuda_moe.fits(block.switch_mlp) is None
 
     rowwise = decide("rowwise_linears", options.rowwise_linears, on_cuda, None, "few-row dense products row by row")
     statuses.append(rowwise)

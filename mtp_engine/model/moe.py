@@ -154,8 +154,7 @@ class EngineSparseMoeBlock(Qwen3NextSparseMoeBlock):
         return y + mx.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
-def install_moe_blocks(*modules: nn.Module, sort_min: int = MLX_LM_SORT_MIN, group_min: int | None = None,
-                       expert_kernel: bool = False) -> int:
+def install_moe_blocks(*modules: nn.Module, sort_min: int = MLX_LM_SORT_MIN, group_min: int | None = None) -> int:
     """Swap every ``Qwen3NextSparseMoeBlock`` under ``modules`` for an
     `EngineSparseMoeBlock` sharing its weights; returns how many."""
 
@@ -163,7 +162,6 @@ def install_moe_blocks(*modules: nn.Module, sort_min: int = MLX_LM_SORT_MIN, gro
         new = share_weights(EngineSparseMoeBlock, block)
         new.sort_min = sort_min
         new.group_min = group_min
-        new.expert_kernel = expert_kernel
         return new
 
     return swap_modules(modules, {Qwen3NextSparseMoeBlock: swap})

@@ -83,3 +83,19 @@ def test_fits_names_what_the_kernel_cannot_run():
     assert cuda_moe.fits(experts(4, 64, mx.float32, dim=384)) == "expert inputs of 384 do not split over a warp"
     assert cuda_moe.fits(experts(4, 64, mx.float32)) is None
     assert cuda_moe.fits(SwitchGLU(512, 512, 4, activation=nn.GELU())) == "experts with a GELU activation"
+
+
+def test_the_kernel_runs_only_the_blocks_it_fits():
+    """A mixed quantization (a 3-bit expert layer beside 4-bit ones): the
+    fast path is on for the blocks it runs and says how many; with none it
+    is unavailable and names why."""
+    from mtp_engine.model.install import _moe_kernel
+    from mtp_engine.options import EngineOptions
+
+    mixed, head = nn.Module(), nn.Module()
+    mixed.layers = [experts(4, 64, mx.float32), experts(3, 64, mx.float32)]
+    status = _moe_kernel(mixed, head, EngineOptions(), on_cuda=True)
+    assert status.state == "on" and "(1 of 2 MoE blocks; the rest keep MLX's)" in status.detail
+    mixed.layers = mixed.layers[1:]
+    status = _moe_kernel(mixed, head, EngineOptions(), on_cuda=True)
+    assert (status.state, status.detail) == ("unavailable", "3-bit experts")
