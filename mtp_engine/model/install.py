@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import SwitchGLU
 
 from mtp_engine.kernels import cpu_activations, recurrence
 from mtp_engine.model.activations import install_fast_activations
@@ -49,26 +48,30 @@ def decide(name: str, wanted: bool | None, default: bool, why_not: str | None, o
     return FastPathStatus(name, "on", on)
 
 
-def _moe_kernel(model: nn.Module, head: nn.Module, options: EngineOptions, on_cuda: bool) -> FastPathStatus:
-    """The `moe_kernel` fast path's status: on where some MoE block's experts
-    are ones the kernel runs (``cuda_moe.fits``)."""
-    switches = [m for module in (model, head) for m in module.modules() if isinstance(m, SwitchGLU)]
-    why, runs = None, 0
+def install_moe_kernel(model: nn.Module, head: nn.Module, options: EngineOptions, on_cuda: bool) -> FastPathStatus:
+    """Decide the `moe_kernel` fast path and, where on, give it to each
+    `EngineSparseMoeBlock` under ``model`` and ``head`` whose experts it runs
+    (``cuda_moe.fits``; a mixed quantization may leave some to MLX)."""
+    blocks = [m for module in (model, head) for m in module.modules() if isinstance(m, EngineSparseMoeBlock)]
+    why, reasons = None, []
     if not options.contiguous_moe:
         why = "needs contiguous_moe"
     elif not on_cuda:
         why = "not MLX's CUDA backend"
-    elif not switches:
+    elif not blocks:
         why = "the model has no routed experts"
     else:
         from mtp_engine.kernels import cuda_moe
 
-        reasons = [cuda_moe.fits(switch) for switch in switches]
-        runs = reasons.count(None)
-        why = None if runs else reasons[0]
-    some = "" if runs == len(switches) else f" ({runs} of {len(switches)} MoE blocks; the rest keep MLX's)"
-    return decide("moe_kernel", options.moe_kernel, on_cuda, why,
-                  f"forwards of up to {KERNEL_MAX_TOKENS} tokens a row read each expert's weights once{some}")
+        reasons = [cuda_moe.fits(block.switch_mlp) for block in blocks]
+        why = None if None in reasons else reasons[0]
+    runs = reasons.count(None)
+    some = "" if runs == len(blocks) else f" ({runs} of {len(blocks)} MoE blocks; the rest keep MLX's)"
+    status = decide("moe_kernel", options.moe_kernel, on_cuda, why,
+                    f"forwards of up to {KERNEL_MAX_TOKENS} tokens a row read each expert's weights once{some}")
+    for block, reason in zip(blocks, reasons):
+        block.expert_kernel = status.state == "on" and reason is None
+    return status
 
 
 def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOptions) -> list[FastPathStatus]:
@@ -100,21 +103,13 @@ def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOpti
     sort_min = options.moe_sort_min or (MLX_LM_SORT_MIN if on_cpu else GPU_MOE_SORT_MIN)
     statuses.append(decide("contiguous_moe", options.contiguous_moe, True, None,
                            f"routing indices copied once; tokens sorted by expert from {sort_min} selections"))
-    compiled = decide("compile_layers", options.compile_layers, on_cpu, None, "decode and verify widths up to 16")
     grouped = decide("grouped_moe", options.grouped_moe, on_cuda, "needs contiguous_moe" if not options.contiguous_moe
                      else None, f"each expert's tokens in blocks of {GROUP_ROWS} rows from {GPU_MOE_GROUP_MIN} selections")
-    kernel = _moe_kernel(model, head, options, on_cuda)
-    statuses += [grouped, kernel]
+    statuses.append(grouped)
     if options.contiguous_moe:
         install_moe_blocks(model, head, sort_min=sort_min,
                            group_min=GPU_MOE_GROUP_MIN if grouped.state == "on" else None)
-        if kernel.state == "on":
-            from mtp_engine.kernels import cuda_moe
-
-            # Each block whose experts it runs: a mixed quantization may leave some to MLX.
-            for block in (m for module in (model, head) for m in module.modules()
-                          if isinstance(m, EngineSparseMoeBlock)):
-                block.expert_kernel = cuda_moe.fits(block.switch_mlp) is None
+    statuses.append(install_moe_kernel(model, head, options, on_cuda))
 
     rowwise = decide("rowwise_linears", options.rowwise_linears, on_cuda, None, "few-row dense products row by row")
     statuses.append(rowwise)
@@ -129,6 +124,7 @@ def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOpti
     if act.state == "on":
         install_fast_activations(model, head)
 
+    compiled = decide("compile_layers", options.compile_layers, on_cpu, None, "decode and verify widths up to 16")
     statuses.append(compiled)
     if compiled.state == "on":
         install_compiled_layers(model, head)

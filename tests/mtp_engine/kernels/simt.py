@@ -41,13 +41,19 @@ def _to_mx(a: np.ndarray, dtype) -> mx.array:
     return out.view(mx.bfloat16) if dtype == mx.bfloat16 else out
 
 
-def _source(header, body, names, inputs, out_names, out_dtypes, template) -> str:
+def _params(body, names, inputs, out_names, out_dtypes) -> list[tuple[str, str]]:
+    """The kernel's parameters in MLX's order, as (C type, name): each input,
+    with its shape after it where the body reads ``NAME_shape``, then the
+    outputs."""
     params = []
     for n, a in zip(names, inputs):
-        params.append(f"const {_TYPES[a.dtype]}* {n}")
+        params.append((f"const {_TYPES[a.dtype]}*", n))
         if f"{n}_shape" in body:
-            params.append(f"const int32_t* {n}_shape")
-    params += [f"{_TYPES[d]}* {n}" for n, d in zip(out_names, out_dtypes)]
+            params.append(("const int32_t*", f"{n}_shape"))
+    return params + [(f"{_TYPES[d]}*", n) for n, d in zip(out_names, out_dtypes)]
+
+
+def _source(header, body, params, template) -> str:
     consts = []
     for name, value in template:
         if isinstance(value, mx.Dtype):
@@ -56,20 +62,11 @@ def _source(header, body, names, inputs, out_names, out_dtypes, template) -> str
             consts.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
         else:
             consts.append(f"  constexpr int {name} = {value};")
-    casts, i = [], 0
-    for n, a in zip(names, inputs):
-        casts.append(f"(const {_TYPES[a.dtype]}*)ptrs[{i}]")
-        i += 1
-        if f"{n}_shape" in body:
-            casts.append(f"(const int32_t*)ptrs[{i}]")
-            i += 1
-    for d in out_dtypes:
-        casts.append(f"({_TYPES[d]}*)ptrs[{i}]")
-        i += 1
+    casts = [f"({ctype})ptrs[{i}]" for i, (ctype, _) in enumerate(params)]
     return "\n".join([
         '#include "simt_emu.h"',
         header,
-        "static void kernel(" + ", ".join(params) + ") {",
+        "static void kernel(" + ", ".join(f"{ctype} {name}" for ctype, name in params) + ") {",
         *consts,
         body,
         "}",
@@ -86,7 +83,8 @@ def run(header, body, names, inputs, out_names, template, shapes, dtypes, thread
     takes them; blocks of at most two dimensions)."""
     inputs = [mx.contiguous(a) for a in inputs]
     mx.eval(inputs)
-    text = _source(header, body, names, inputs, out_names, dtypes, template)
+    params = _params(body, names, inputs, out_names, dtypes)
+    text = _source(header, body, params, template)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     _BUILD.mkdir(exist_ok=True)
     lib = _BUILD / f"k{digest}.so"
@@ -100,13 +98,11 @@ def run(header, body, names, inputs, out_names, template, shapes, dtypes, thread
         )
         tmp.rename(lib)
     fn = ctypes.CDLL(str(lib)).launch
-    arrays = []
-    for n, a in zip(names, inputs):
-        arrays.append(_numpy(a))
-        if f"{n}_shape" in body:
-            arrays.append(np.array(a.shape, dtype=np.int32))
     outputs = [np.zeros(s, dtype=_NUMPY[d]) for s, d in zip(shapes, dtypes)]
-    arrays += outputs
+    by_name = {n: _numpy(a) for n, a in zip(names, inputs)}
+    by_name |= {f"{n}_shape": np.array(a.shape, dtype=np.int32) for n, a in zip(names, inputs)}
+    by_name |= dict(zip(out_names, outputs))
+    arrays = [by_name[name] for _, name in params]
     ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
     if grid is None:
         grid, threadgroup = (threads, 1, 1), (threads, 1, 1)

@@ -86,16 +86,28 @@ def test_fits_names_what_the_kernel_cannot_run():
 
 
 def test_the_kernel_runs_only_the_blocks_it_fits():
-    """A mixed quantization (a 3-bit expert layer beside 4-bit ones): the
-    fast path is on for the blocks it runs and says how many; with none it
+    """A mixed quantization (a 3-bit expert layer beside a 4-bit one): the
+    fast path is on for the block it runs and says how many; with none it
     is unavailable and names why."""
-    from mtp_engine.model.install import _moe_kernel
+    from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextSparseMoeBlock
+
+    from mtp_engine.io.tiny import tiny_config
+    from mtp_engine.model.install import install_moe_kernel
+    from mtp_engine.model.moe import EngineSparseMoeBlock
+    from mtp_engine.model.swap import share_weights
     from mtp_engine.options import EngineOptions
 
+    def block(bits):
+        new = share_weights(EngineSparseMoeBlock, Qwen3NextSparseMoeBlock(ModelArgs.from_dict(tiny_config())))
+        new.switch_mlp = experts(bits, 64, mx.float32)
+        return new
+
     mixed, head = nn.Module(), nn.Module()
-    mixed.layers = [experts(4, 64, mx.float32), experts(3, 64, mx.float32)]
-    status = _moe_kernel(mixed, head, EngineOptions(), on_cuda=True)
+    mixed.layers = [block(4), block(3)]
+    status = install_moe_kernel(mixed, head, EngineOptions(), on_cuda=True)
     assert status.state == "on" and "(1 of 2 MoE blocks; the rest keep MLX's)" in status.detail
+    assert [b.expert_kernel for b in mixed.layers] == [True, False]
     mixed.layers = mixed.layers[1:]
-    status = _moe_kernel(mixed, head, EngineOptions(), on_cuda=True)
+    status = install_moe_kernel(mixed, head, EngineOptions(), on_cuda=True)
     assert (status.state, status.detail) == ("unavailable", "3-bit experts")
+    assert not mixed.layers[0].expert_kernel
