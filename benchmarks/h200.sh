@@ -32,7 +32,7 @@ bench="python3 -u -m mtp_engine.bench"
 case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
     timeout "${LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
-      tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/test_batched.py tests/mtp_engine/test_sampling.py \
+      tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/model/test_dispatch.py tests/mtp_engine/test_batched.py tests/mtp_engine/test_sampling.py \
       2>&1 | tail -15 ;;
   shipped)
     timeout "${LIMIT:-300}" $bench --limit 8 --max-tokens 64 --rounds 3 \

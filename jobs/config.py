@@ -22,15 +22,17 @@ AUTO = {"cpu": ("chain", 2, 32), "gpu": ("baseline", None, 32)}
 """What "auto" (the default mode) becomes on each MLX backend for a greedy
 job: (mode, K or None, batch size), the fastest measured over a dataset
 (docs/BENCHMARKS.md). CPU, shipped model, all 287 prompts of
-examples/prompts.jsonl: batched chain B=32 K=2 861 tok/s against 797 for
-plain batching at its best (B=64) and 425 for the single-sequence chain
-(loop-driven; over the 13 loop-free prompts 1.03x plain batching). H200:
+examples/prompts.jsonl: batched chain B=32 K=2 795 tok/s (K=3 level)
+against 702 for plain batching at its best (B=32) and 372 for the
+single-sequence chain (loop-driven; over the 13 loop-free prompts 1.08x
+plain batching). H200:
 plain batching B=32, 7% ahead of the best batched chain on the shipped
 model as last measured, before `grouped_moe` (`moe_kernel` does not run on
 its unquantized experts); on the 80B-A3B shapes (1K-token prompts,
 projected at profile 0.93,0.82,0.64) batched chain K=3 leads at B=8 and
-B=32 (1.30-1.48x / 1.19-1.34x with prefill), so the shipped model's H200
-figures are due for a re-run before this changes."""
+B=32 (1.47-1.78x / 1.25-1.37x with prefill, verify forwards dispatched
+layer by layer), so the shipped model's H200 figures are due for a re-run
+before this changes."""
 
 AUTO_SAMPLED = ("baseline", None, 32)
 """What "auto" becomes for a job that samples (temperature above 0) on any

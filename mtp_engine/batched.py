@@ -42,7 +42,7 @@ from mtp_engine.cache.batch import (
 )
 from mtp_engine.cache.capture import StateCaptureCache, make_main_cache
 from mtp_engine.drafters.batched import BatchedCppDrafter, BatchedMLXDrafter
-from mtp_engine.projection import ProjectedDrafts
+from mtp_engine.projection import ProjectedDrafts, project_rows
 from mtp_engine.sampling import GREEDY, SamplingParams, choose
 from mtp_engine.stopping import Finisher, stop_list
 from mtp_engine.verify import decide, decisions
@@ -205,9 +205,10 @@ class BatchedDecoder:
         params = [r.sampling for r in self.rows]
         starts = [len(r.finisher.tokens) for r in self.rows]  # the generated position verify column 0 predicts
         drafts = self.drafter.draft(depth, params, starts) if depth > 0 else None  # [B, depth]
-        if drafts is not None and any(r.projection is not None for r in self.rows):
-            drafts = self._project(drafts)
         if drafts is not None:
+            mx.async_eval(drafts)  # the device drafts while the host builds the verify forward
+            if any(r.projection is not None for r in self.rows):
+                drafts = self._project(drafts)
             self._lap("draft", drafts)
         t1 = time.perf_counter()
         # A row near its budget uses only the drafts it can emit, as a
@@ -253,13 +254,12 @@ class BatchedDecoder:
         self._lap_start = now
 
     def _project(self, drafts: mx.array) -> mx.array:
-        """Drafts replaced at the rows' acceptance profiles (the head's were
-        computed: their cost is paid)."""
-        rows = drafts.tolist()
-        for b, row in enumerate(self.rows):
-            if row.projection is not None:
-                rows[b] = row.projection.replace(rows[b], len(row.finisher.tokens))
-        return mx.array(rows, dtype=mx.int32)
+        """Drafts replaced at the rows' acceptance profiles. The head's stay
+        in the graph (their cost is paid) but are not read back, as a real
+        run reads none."""
+        k = drafts.shape[1]
+        return project_rows(drafts, [None if r.projection is None else r.projection.drafts(k, len(r.finisher.tokens))
+                                     for r in self.rows])
 
     def _verify(self, drafts: mx.array | None, params: list[SamplingParams], starts: list[int],
                 uses: list[int]) -> tuple[list[list[int]], mx.array]:

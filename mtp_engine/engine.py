@@ -40,7 +40,7 @@ from mtp_engine.options import (
     apply_process_settings,
     cudnn_attention_on,
 )
-from mtp_engine.projection import ProjectedDrafts
+from mtp_engine.projection import ProjectedDrafts, project_rows
 from mtp_engine.sampling import GREEDY, SamplingParams, choose, make_sampling
 from mtp_engine.stopping import Finisher, stop_list
 from mtp_engine.verify import VerifyOutcome, top_logits, verify
@@ -463,8 +463,11 @@ class MTPEngine:
                 state.position = start
             drafted = spec.propose(drafter, state, depth) if depth >= 1 else [[]]
             if projection is not None and depth >= 1:
-                rows = drafted.tolist() if isinstance(drafted, mx.array) else drafted
-                drafted = [projection.replace(rows[0], len(finisher.tokens))] + rows[1:]
+                projected = projection.drafts(len(drafted[0]), len(finisher.tokens))
+                if isinstance(drafted, mx.array):
+                    drafted = project_rows(drafted, [projected] + [None] * (drafted.shape[0] - 1))
+                else:
+                    drafted = [projected] + drafted[1:]
             t1 = time.perf_counter()
             q_scaled = mx.concatenate(state.q_scaled)[None] if rejection and depth >= 1 else None
             out = self._verify(caches, x, drafted, sampling, start, q_scaled)

@@ -106,6 +106,11 @@ class EngineOptions:
             of 4- and 8-bit experts in the engine's CUDA kernel, which reads
             an expert's weights once for several of its tokens (None: on
             CUDA); prefill keeps MLX's products (``grouped_moe``).
+        layer_dispatch: In verify forwards (2 to 16 tokens a row) each
+            trunk decoder layer hands its output to the device as soon as
+            it is built (``mx.async_eval``), so the device computes a layer
+            while the host builds the next (not inside ``mx.grad`` or
+            ``mx.compile``).
         state_capture: Verify forwards record per-token recurrent states, so
             a commit is a lookup; False snapshots and replays instead.
         cudnn_attention: cuDNN's fused attention on CUDA (MLX's default);
@@ -128,6 +133,7 @@ class EngineOptions:
     moe_sort_min: int | None = None
     grouped_moe: bool | None = None
     moe_kernel: bool | None = None
+    layer_dispatch: bool = True
     state_capture: bool = True
     cudnn_attention: bool = False
 

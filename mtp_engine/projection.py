@@ -8,14 +8,15 @@ tokens are replaced by the true greedy continuation (from a plain run of the
 same prompt), each position kept with the conditional probability a
 cumulative acceptance profile implies: with profile ``(p1, p2, p3)``, draft
 1 is right with probability p1, draft 2 with p2/p1 given draft 1 was, and so
-on, the last ratio repeating past the profile's end. The first draft that is
-not kept is replaced by a wrong token. The verify forward still decides every
+on, the last ratio repeating past the profile's end. From the first draft that
+is not kept on, drafts are wrong tokens. The verify forward still decides every
 emitted token, so the output equals plain decoding; figures made this way
 are labelled "projected at profile X", never measured acceptance.
 """
 
 from __future__ import annotations
 
+import mlx.core as mx
 import numpy as np
 
 
@@ -50,16 +51,26 @@ class ProjectedDrafts:
         """Probability that draft ``j`` (from 0) is right given the earlier ones were."""
         return self.conditional[min(j, len(self.conditional) - 1)]
 
-    def replace(self, drafts: list[int], emitted: int) -> list[int]:
-        """The drafts that follow ``emitted`` generated tokens (the last of
-        them is the verify's first input)."""
-        out = []
-        for j in range(len(drafts)):
+    def drafts(self, k: int, emitted: int) -> list[int]:
+        """``k`` drafts that follow ``emitted`` generated tokens (the last of
+        them is the verify's first input), made without the head's: the
+        verify stops at the first wrong one, so what follows it (wrong tokens
+        too) and positions past the reference (past the row's budget) are
+        never emitted. The head's drafts are still computed: the caller
+        evaluates them without reading them back, as a real run does."""
+        out, missed = [], False
+        for j in range(k):
             position = emitted + j
-            true = self.reference[position] if position < len(self.reference) else drafts[j]
-            if self.rng.random() >= self.keep_probability(j):
-                out.append((true + 1) % self.vocab)
-                out += drafts[j + 1 :]
-                break
-            out.append(true)
+            true = self.reference[position] if position < len(self.reference) else 0
+            missed = missed or self.rng.random() >= self.keep_probability(j)
+            out.append((true + 1) % self.vocab if missed else true)
         return out
+
+
+def project_rows(drafts: mx.array, rows: list[list[int] | None]) -> mx.array:
+    """``drafts`` ``[B, k]`` with row ``b`` replaced by ``rows[b]`` where it
+    is not None. The head's drafts stay in the graph (the verify that reads
+    the result pays their cost) and are never read back."""
+    k = drafts.shape[1]
+    keep = mx.array([r is None for r in rows])[:, None]
+    return mx.where(keep, drafts, mx.array([[0] * k if r is None else r for r in rows], dtype=mx.int32))

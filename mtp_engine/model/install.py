@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mtp_engine.kernels import cpu_activations, recurrence
 from mtp_engine.model.activations import install_fast_activations
 from mtp_engine.model.compiled import install_compiled_layers
+from mtp_engine.model.dispatch import install_layer_dispatch
 from mtp_engine.model.gated_delta import gated_delta_layers, install_state_capture
 from mtp_engine.model.moe import (
     GROUP_ROWS,
@@ -128,4 +129,10 @@ def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOpti
     statuses.append(compiled)
     if compiled.state == "on":
         install_compiled_layers(model, head)
+
+    dispatch = decide("layer_dispatch", options.layer_dispatch, True, None,
+                      "in verify forwards each trunk layer computes while the host builds the next")
+    statuses.append(dispatch)
+    if dispatch.state == "on":
+        install_layer_dispatch(model)  # last: it subclasses each layer's class as installed
     return statuses

@@ -12,12 +12,13 @@ import json
 import shutil
 import time
 
+import mlx.core as mx
 import pytest
 
 from mtp_engine import MTPEngine
 from mtp_engine.batched import PHASES, BatchedDecoder
 from mtp_engine.io.tiny import tiny_config
-from mtp_engine.projection import ProjectedDrafts, parse_profile
+from mtp_engine.projection import ProjectedDrafts, parse_profile, project_rows
 from tests.conftest import PROMPTS
 from tests.mtp_engine.test_lossless import CONFIGS, NEAR_TIE
 
@@ -187,6 +188,27 @@ def test_projected_drafts_keep_the_output_and_follow_the_profile(models):
     assert single.tokens == refs[0][: len(single.tokens)] and single.stats.acceptance_length > 2
     with pytest.raises(ValueError, match="non-increasing"):
         parse_profile("0.5,0.9")
+
+
+def test_projected_drafts_are_made_without_reading_the_heads():
+    """Projected drafts follow the reference up to the first draft not kept
+    and are wrong from there on; rows without a projection keep the head's
+    drafts, which stay in the graph unread."""
+    reference = [5, 9, 2, 7, 7, 1]
+    always = ProjectedDrafts(parse_profile("1,1"), reference, vocab=10, seed=0)
+    assert always.drafts(4, 1) == [9, 2, 7, 7]
+    assert always.drafts(3, 5) == [1, 0, 0]  # past the reference: positions past any budget
+    some = ProjectedDrafts(parse_profile("0.6,0.3"), reference, vocab=10, seed=5)
+    kept_counts = []
+    for emitted in range(3):
+        out = some.drafts(3, emitted)
+        truth = reference[emitted : emitted + 3]
+        kept = next((j for j, (d, t) in enumerate(zip(out, truth)) if d != t), 3)
+        assert out[kept:] == [(t + 1) % 10 for t in truth[kept:]]
+        kept_counts.append(kept)
+    assert 0 in kept_counts  # covered: a miss at the first draft makes all three wrong
+    head = mx.array([[1, 2, 3], [4, 5, 6]], dtype=mx.int32)
+    assert project_rows(head, [None, [7, 8, 9]]).tolist() == [[1, 2, 3], [7, 8, 9]]
 
 
 @pytest.mark.parametrize("drafter", ["mlx", "cpp"])

@@ -1,0 +1,72 @@
+"""Trunk decoder layers that hand their work to the device as they are built.
+
+MLX is lazy: a forward's ops run when something evaluates them. A verify or
+decoding forward is built in Python op by op (thousands of ops for a large
+model), and until the caller evaluates its output the device waits. A
+dispatched layer calls ``mx.async_eval`` on its output, so the device
+computes layer ``l`` while the host builds layer ``l + 1``. The values are
+the same arrays as without it: only when they are computed changes.
+
+Only verify forwards dispatch (2 to `MAX_WIDTH` tokens a row). On the H200
+(80B-A3B shapes, 8 rows) dispatching made verify steps of 4 tokens a row
+faster (66 against 87 ms) but one-token decoding steps slower (48-52 against
+38-43 ms), and in prompt prefill, where the device is the slower side, the
+host queued many layers ahead and their buffers raised peak memory by about
+6 GB for no time gained.
+
+``mx.async_eval`` is not allowed inside a function transformation
+(``mx.grad``, ``mx.compile``: head training runs the trunk under both);
+there a dispatched layer is a plain one.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mtp_engine.model.swap import share_weights
+
+
+class DispatchedLayer:
+    """Mixin for a decoder layer class: in verify forwards (2 to
+    `MAX_WIDTH` tokens a row) its output is evaluated asynchronously as soon
+    as the layer's ops are built."""
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        out = super().__call__(x, *args, **kwargs)
+        if not 1 < x.shape[1] <= MAX_WIDTH:
+            return out
+        try:
+            mx.async_eval(out)
+        except ValueError:  # inside mx.grad / mx.compile: the caller evaluates
+            pass
+        return out
+
+
+MAX_WIDTH = 16
+"""Widest forward (tokens a row) that dispatches layer by layer."""
+
+_CLASSES: dict[type, type] = {}
+
+
+def dispatched_class(cls: type) -> type:
+    """The dispatching subclass of decoder layer class ``cls`` (one per class)."""
+    if issubclass(cls, DispatchedLayer):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Dispatched{cls.__name__}", (DispatchedLayer, cls), {})
+    return _CLASSES[cls]
+
+
+def install_layer_dispatch(model: nn.Module) -> int:
+    """Swap every trunk decoder layer of ``model`` for its dispatching
+    subclass, sharing its weights. Run it after the other layer installs
+    (it subclasses whatever class each layer has by then). Returns how many
+    layers were swapped (0 when installed before)."""
+    layers = model.model.layers
+    swapped = 0
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, DispatchedLayer):
+            layers[i] = share_weights(dispatched_class(type(layer)), layer)
+            swapped += 1
+    return swapped

@@ -1,0 +1,63 @@
+"""Dispatched trunk layers change when the device computes, never what: the
+same tokens and gradients as layers that wait for the caller's eval."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from mtp_engine import MTPEngine
+from mtp_engine.model.compiled import CompiledDecoderLayer
+from mtp_engine.model.dispatch import DispatchedLayer, install_layer_dispatch
+from mtp_engine.options import EngineOptions
+
+PROMPTS = [[12, 7, 99, 31, 5, 150, 42, 8, 77, 3], [5, 6, 7], list(range(20, 60))]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_path):
+    return (MTPEngine.load(tiny_path, options=EngineOptions(layer_dispatch=True)),
+            MTPEngine.load(tiny_path, options=EngineOptions(layer_dispatch=False)))
+
+
+def test_layers_are_swapped_last_and_share_their_weights(engines):
+    on, off = engines
+    assert [s.state for s in on.fast_paths if s.name == "layer_dispatch"] == ["on"]
+    assert [s.line() for s in off.fast_paths if s.name == "layer_dispatch"] == ["fast path layer_dispatch: off (by choice)"]
+    layers = on.model.model.layers
+    assert all(isinstance(l, DispatchedLayer) for l in layers)
+    assert not any(isinstance(l, DispatchedLayer) for l in off.model.model.layers)
+    # Compiled layers (the CPU default) keep their compiled paths under it.
+    compiled = [s.state for s in on.fast_paths if s.name == "compile_layers"] == ["on"]
+    assert all(isinstance(l, CompiledDecoderLayer) == compiled for l in layers)
+    before = [id(v) for _, v in tree_flatten(on.model.parameters())]
+    assert install_layer_dispatch(on.model) == 0  # installed once
+    assert [id(v) for _, v in tree_flatten(on.model.parameters())] == before
+
+
+@pytest.mark.parametrize("mode", ["baseline", "chain"])
+def test_dispatched_layers_decode_the_same_tokens(engines, mode):
+    on, off = engines
+    single = [on.generate(p, max_tokens=24, mode="chain" if mode == "chain" else "baseline").tokens for p in PROMPTS]
+    assert single == [off.generate(p, max_tokens=24, mode="chain" if mode == "chain" else "baseline").tokens
+                      for p in PROMPTS]
+    batched = [r.tokens for r in on.generate_batch(PROMPTS, batch_size=2, max_tokens=24, mode=mode, draft_tokens=3)]
+    assert batched == [r.tokens for r in off.generate_batch(PROMPTS, batch_size=2, max_tokens=24, mode=mode,
+                                                              draft_tokens=3)]
+    assert batched == single
+
+
+def test_gradients_through_dispatched_layers(engines):
+    """Inside ``mx.grad`` (head training) a dispatched layer cannot dispatch;
+    it computes what a plain layer computes."""
+    on, off = engines
+    x = mx.array([PROMPTS[0]])
+
+    def loss(model):
+        return lambda scale: (model.model(x) * scale).sum()
+
+    grads = [mx.grad(loss(e.model))(mx.array(1.0)) for e in (on, off)]
+    assert mx.array_equal(*grads).item()
+    # ... and under mx.compile.
+    assert mx.array_equal(mx.compile(loss(on.model))(mx.array(1.0)), loss(off.model)(mx.array(1.0))).item()
