@@ -26,6 +26,9 @@ import mlx.nn as nn
 
 from mtp_engine.model.swap import share_weights
 
+MAX_WIDTH = 16
+"""Widest forward (tokens a row) that dispatches layer by layer."""
+
 
 class DispatchedLayer:
     """Mixin for a decoder layer class: in verify forwards (2 to
@@ -42,9 +45,6 @@ class DispatchedLayer:
             pass
         return out
 
-
-MAX_WIDTH = 16
-"""Widest forward (tokens a row) that dispatches layer by layer."""
 
 _CLASSES: dict[type, type] = {}
 
