@@ -39,9 +39,8 @@ def test_layers_are_swapped_last_and_share_their_weights(engines):
 @pytest.mark.parametrize("mode", ["baseline", "chain"])
 def test_dispatched_layers_decode_the_same_tokens(engines, mode):
     on, off = engines
-    single = [on.generate(p, max_tokens=24, mode="chain" if mode == "chain" else "baseline").tokens for p in PROMPTS]
-    assert single == [off.generate(p, max_tokens=24, mode="chain" if mode == "chain" else "baseline").tokens
-                      for p in PROMPTS]
+    single = [on.generate(p, max_tokens=24, mode=mode).tokens for p in PROMPTS]
+    assert single == [off.generate(p, max_tokens=24, mode=mode).tokens for p in PROMPTS]
     batched = [r.tokens for r in on.generate_batch(PROMPTS, batch_size=2, max_tokens=24, mode=mode, draft_tokens=3)]
     assert batched == [r.tokens for r in off.generate_batch(PROMPTS, batch_size=2, max_tokens=24, mode=mode,
                                                               draft_tokens=3)]
