@@ -205,8 +205,7 @@ class BatchedDecoder:
         params = [r.sampling for r in self.rows]
         starts = [len(r.finisher.tokens) for r in self.rows]  # the generated position verify column 0 predicts
         drafts = self.drafter.draft(depth, params, starts) if depth > 0 else None  # [B, depth]
-        if drafts is not None:
-            mx.async_eval(drafts)  # the device drafts while the host builds the verify forward
+        if drafts is not None:  # dispatched by the drafter: the device drafts while the verify forward is built
             if any(r.projection is not None for r in self.rows):
                 drafts = self._project(drafts)
             self._lap("draft", drafts)

@@ -145,6 +145,7 @@ class BatchedMLXDrafter:
             mx.async_eval(drafts[-1])
             last = self._forward(last, drafts[-1][:, None])
             drafts.append(self._greedy(last[:, 0]))
+        mx.async_eval(drafts[-1])  # the device drafts while the caller builds the verify forward
         return mx.stack(drafts, axis=1)
 
     def _draft_sampled(self, k: int, params: list[SamplingParams], starts: list[int]) -> mx.array:
