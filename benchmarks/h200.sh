@@ -54,13 +54,13 @@ case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths,
     # The issue's target settings: prompts of 1K tokens x 128 new tokens, drafts projected at profile
     # 0.93,0.82,0.64. 80b: 32 prompts at B=32, K=2 and 3 (~180 s); 80b-b8: 16 prompts at B=8 (~110 s); one-at-a-time
     # decoding on the first prompt, the rest of the reference from plain batching. 80b-depths: single-sequence
-    # chains K=3..8 on 1 prompt (~45 s). 80b-phases: 80b with each decoder phase timed. One call each.
+    # chains K=3..8 and plain decoding on 1 prompt, 3 rounds interleaved (~90 s). 80b-phases: 80b with each decoder phase timed. One call each.
     ctx=1024
     case "$1" in
       80b-8k) ctx=8192; args="--limit 8 --batch-sizes 8 --draft-tokens 3 --single-k 3 --single-limit 1 --phase-times" ;;
       80b) args="--limit 32 --batch-sizes 32 --draft-tokens 2 3 --single-k 3 --single-limit 1" ;;
       80b-b8) args="--limit 16 --batch-sizes 8 --draft-tokens 3 --single-k 3 --single-limit 1" ;;
-      80b-depths) args="--limit 1 --batch-sizes --single-k 3 4 6 8" ;;
+      80b-depths) args="--limit 1 --batch-sizes --single-k 3 4 6 8 --single-rounds 3" ;;
       80b-phases) args="--limit 32 --batch-sizes 32 --draft-tokens 3 --single-k 3 --single-limit 1 --phase-times" ;;
     esac
     timeout "${LIMIT:-580}" $bench --synthetic 80b --suite dataset --acceptance-profile 0.93,0.82,0.64 \

@@ -25,14 +25,14 @@ job: (mode, K or None, batch size), the fastest measured over a dataset
 examples/prompts.jsonl: batched chain B=32 K=2 795 tok/s (K=3 level)
 against 702 for plain batching at its best (B=32) and 372 for the
 single-sequence chain (loop-driven; over the 13 loop-free prompts 1.08x
-plain batching). H200:
-plain batching B=32, 7% ahead of the best batched chain on the shipped
-model as last measured, before `grouped_moe` (`moe_kernel` does not run on
-its unquantized experts); on the 80B-A3B shapes (1K-token prompts,
-projected at profile 0.93,0.82,0.64) batched chain K=3 leads at B=8 and
-B=32 (1.47-1.78x / 1.25-1.37x with prefill, verify forwards dispatched
-layer by layer), so the shipped model's H200 figures are due for a re-run
-before this changes."""
+plain batching). H200, shipped model, re-measured with the current code
+(32 prompts x 128 tokens): plain batching B=32 3133 tok/s against 3005 for
+the best batched chain (B=32 K=4); batched chains beat plain batching of
+the same B only at B=8 and 16.
+On the 80B-A3B shapes (1K-token prompts, projected at profile
+0.93,0.82,0.64) batched chain K=3 leads at B=8 and B=32 (1.29-1.61x /
+1.23-1.40x with prefill across calls), but "auto" is set by the model the
+project ships."""
 
 AUTO_SAMPLED = ("baseline", None, 32)
 """What "auto" becomes for a job that samples (temperature above 0) on any

@@ -529,6 +529,10 @@ def main(argv=None) -> int:
                         help="dataset suite: K of batched speculation")
     parser.add_argument("--single-k", type=int, nargs="+", default=[4],
                         help="dataset suite: K of the single-sequence chain (one run each)")
+    parser.add_argument("--single-rounds", type=int, default=0,
+                        help="dataset suite: time plain decoding and the --single-k chains again over N rounds, "
+                        "interleaved prompt by prompt, so a drifting host speed falls on every mode alike (0: one "
+                        "pass each, one mode after another)")
     parser.add_argument("--single-limit", type=int, default=None,
                         help="dataset suite: time one-at-a-time decoding on the first N prompts only (slow models)")
     parser.add_argument("--phase-times", action="store_true",
@@ -542,6 +546,8 @@ def main(argv=None) -> int:
     parser.add_argument("--mlx-lm-batch", action=argparse.BooleanOptionalAction, default=True,
                         help="dataset suite: also time mlx-lm's BatchGenerator")
     args = parser.parse_args(argv)
+    if args.single_rounds < 0:
+        parser.error(f"--single-rounds must be 0 or more, got {args.single_rounds}")
     log = lambda m: print(m, flush=True)
 
     if args.synthetic:

@@ -128,12 +128,41 @@ def run_single(engine, prompts, max_tokens, k, references=None, profile=None) ->
     projections = _projections(engine, len(prompts), references if k else None, profile)
     mx.reset_peak_memory()
     t = time.perf_counter()
-    results = [engine.generate(ids, max_tokens=max_tokens, mode="chain" if k else "baseline", draft_tokens=k or 1,
-                               projection=projections[i]) for i, ids in enumerate(prompts)]
+    results = [_decode(engine, ids, max_tokens, k, projections[i]) for i, ids in enumerate(prompts)]
     run.seconds = time.perf_counter() - t
     run.peak_memory = mx.get_peak_memory()
     _collect(run, results)
     return run
+
+
+def run_singles_interleaved(engine, prompts, max_tokens, ks: list[int], references, profile, rounds: int) -> list[Run]:
+    """Plain decoding and a chain per K in ``ks``, one prompt at a time,
+    interleaved: each prompt goes through every mode in turn (the order
+    rotating), ``rounds`` times over the set, so the host's speed drifting
+    during the run falls on every mode alike. Returns the runs in the order
+    plain, ``ks``; their outputs are the first round's."""
+    runs = [Run("plain, one at a time", 1, 0)] + [Run("single-sequence chain", 1, k) for k in ks]
+    for r in range(rounds):
+        for i, ids in enumerate(prompts):
+            shift = (i + r) % len(runs)
+            for run in runs[shift:] + runs[:shift]:
+                k = run.draft_tokens
+                projection = _projections(engine, 1, [references[i]], profile)[0] if k and references else None
+                mx.reset_peak_memory()
+                t = time.perf_counter()
+                result = _decode(engine, ids, max_tokens, k, projection)
+                run.seconds += time.perf_counter() - t
+                run.peak_memory = max(run.peak_memory, mx.get_peak_memory())
+                _collect(run, [result])
+                if r:
+                    run.outputs.pop()  # the first round's outputs stand for the run
+    return runs
+
+
+def _decode(engine, ids, max_tokens, k, projection):
+    """One prompt through `MTPEngine.generate`: plain (k = 0) or a chain of K = k."""
+    return engine.generate(ids, max_tokens=max_tokens, mode="chain" if k else "baseline", draft_tokens=k or 1,
+                           projection=projection)
 
 
 def _collect(run: Run, results) -> None:
@@ -260,12 +289,20 @@ def dataset_suite(engine, prompts, args, log) -> dict:
         reference = list(plain.outputs)
     references = reference if profile else None
     parsed = parse_profile(profile) if profile else None
-    runs = [plain]
-    for k in args.single_k:
-        runs.append(run_single(engine, single, args.max_tokens, k, references, parsed))
-        log(f"  single-sequence chain K={k}: {_progress(runs[-1])}")
-    log(f"  plain one at a time: {_progress(plain)}"
-        + (f" (the first {len(single)} prompts)" if len(single) < len(prompts) else ""))
+    rounds = getattr(args, "single_rounds", 0)
+    if rounds:
+        runs = run_singles_interleaved(engine, single, args.max_tokens, args.single_k, references, parsed, rounds)
+        plain = runs[0]
+        for run in runs:
+            log(f"  {run.mode}{f' K={run.draft_tokens}' if run.draft_tokens else ''}, {rounds} interleaved "
+                f"rounds: {_progress(run)}")
+    else:
+        runs = [plain]
+        for k in args.single_k:
+            runs.append(run_single(engine, single, args.max_tokens, k, references, parsed))
+            log(f"  single-sequence chain K={k}: {_progress(runs[-1])}")
+        log(f"  plain one at a time: {_progress(plain)}"
+            + (f" (the first {len(single)} prompts)" if len(single) < len(prompts) else ""))
     costs = {}
     for b in args.batch_sizes:
         if args.mlx_lm_batch:
@@ -283,6 +320,8 @@ def dataset_suite(engine, prompts, args, log) -> dict:
     rows = [r.row(plain, profile) for r in runs]
     settings = {"prompts": len(prompts), "max_tokens": args.max_tokens, "context": args.context,
                 "acceptance_profile": profile}
+    if rounds:
+        settings["single_sequence_rounds"] = f"{rounds}, interleaved prompt by prompt"
     if len(single) < len(prompts):
         settings["single_sequence_prompts"] = len(single)
         settings["reference"] = (f"plain decoding one at a time for the first {len(single)} prompts, plain "

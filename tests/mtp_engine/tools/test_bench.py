@@ -91,3 +91,23 @@ def test_dataset_suite_times_one_at_a_time_on_the_first_prompts_only(tmp_path, t
         assert r["prompts"] == n and r["identical"] == f"{n}/{n}"
         if r["draft_tokens"]:
             assert r["projected_at_profile"] == "0.9,0.5"
+
+
+def test_dataset_suite_interleaves_single_sequence_rounds(tmp_path, tiny_path):
+    # --single-rounds 2: plain decoding and the chain are timed again, two
+    # rounds interleaved prompt by prompt; each row counts both rounds'
+    # tokens, and its outputs (the first round's) still equal the reference.
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def add(a, b):", "Hello", "class A:"]))
+    out = tmp_path / "bench.json"
+    code = main(["--model", str(tiny_path), "--prompts", str(prompts), "--suite", "dataset", "--limit", "3",
+                 "--max-tokens", "5", "--batch-sizes", "--single-k", "2", "--single-rounds", "2",
+                 "--no-mlx-lm-batch", "--json", str(out)])
+    assert code == 0
+    run = json.loads(out.read_text())
+    assert run["settings"]["single_sequence_rounds"] == "2, interleaved prompt by prompt"
+    rows = {(r["mode"], r["draft_tokens"]): r for r in run["dataset_runs"]}
+    assert set(rows) == {("plain, one at a time", 0), ("single-sequence chain", 2)}
+    for r in rows.values():
+        assert r["prompts"] == 3 and r["identical"] == "3/3"
+        assert r["tokens"] == 2 * 3 * 5  # both rounds, 5 tokens a prompt (the tiny model never ends early)
