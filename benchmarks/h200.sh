@@ -16,6 +16,8 @@
 #   bash benchmarks/h200.sh 80b-depths # K=3..8 (one call each) -> h200-80b.json, h200-80b-b8.json, h200-80b-depths.json
 #   bash benchmarks/h200.sh 80b-8k     # as 80b-b8 with 8K-token prompts, 8 of them, phases timed -> h200-80b-8k.json
 #   bash benchmarks/h200.sh 80b-phases # as 80b, every phase of the batched decoder timed -> h200-80b-phases.json
+#   bash benchmarks/h200.sh 80b-host   # one 80B forward of 1 / 4 / 7 tokens split into Python building it, MLX
+#                                      # encoding it and the device; primitives counted -> h200-80b-host.json
 #   bash benchmarks/h200.sh qwen3.5-27b       # Qwen3.5-27B (dense) shapes, random 4-bit weights, 1K context, drafts
 #   bash benchmarks/h200.sh qwen3.5-35b-a3b   # projected at profile 0.93,0.82,0.64 -> h200-qwen3.5-*.json (one call each)
 #
@@ -29,7 +31,7 @@ out=${OUT:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH=/root/site:$PWD
 bench="python3 -u -m mtp_engine.bench"
-case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, qwen3.5-27b or qwen3.5-35b-a3b}" in
+case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
     timeout "${LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
       tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/model/test_dispatch.py tests/mtp_engine/test_batched.py tests/mtp_engine/test_sampling.py \
@@ -65,6 +67,9 @@ case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths,
     esac
     timeout "${LIMIT:-580}" $bench --synthetic 80b --suite dataset --acceptance-profile 0.93,0.82,0.64 \
       --max-tokens 128 --contexts $ctx $args --no-mlx-lm-batch --json "$out/h200-$1.json" 2>&1 | grep -v "^round" ;;
+  80b-host)
+    timeout "${LIMIT:-200}" $bench --synthetic 80b --suite host-cost --contexts 1024 --widths 1 4 7 \
+      --fast-path layer_dispatch=off --json "$out/h200-80b-host.json" ;;
   qwen3.5-27b|qwen3.5-35b-a3b)
     timeout "${LIMIT:-560}" $bench --synthetic "$1" --suite dataset --acceptance-profile 0.93,0.82,0.64 \
       --limit 16 --max-tokens 48 --contexts 1024 --batch-sizes 8 16 --draft-tokens 2 3 --single-k 3 \

@@ -40,6 +40,7 @@ from mtp_engine.tools.dataset_bench import (
     print_dataset_table,
     run_batched,
 )
+from mtp_engine.tools.host_cost import host_cost_suite, print_host_cost_table
 from mtp_engine.tools.loops import find_loop
 from mtp_engine.tools.synthetic import (
     SYNTHETIC,
@@ -519,10 +520,14 @@ def main(argv=None) -> int:
     parser.add_argument("--time-budget", type=float, default=None, help="seconds; later contexts are skipped past it")
     parser.add_argument("--json", help="write the report here")
     add_fast_path_option(parser)
-    parser.add_argument("--suite", choices=["single", "dataset", "sampling"], default="single",
+    parser.add_argument("--suite", choices=["single", "dataset", "sampling", "host-cost"], default="single",
                         help="single: every mode one prompt at a time; dataset: throughput over the prompt set "
                         "(plain, single-sequence chain, plain batching and batched speculation at each batch size); "
-                        "sampling: plain sampling against chains under both samplers at each --temperatures")
+                        "sampling: plain sampling against chains under both samplers at each --temperatures; "
+                        "host-cost: one forward per --widths split into Python building it, handing it to the "
+                        "backend and the device, with its primitives counted (use --fast-path layer_dispatch=off)")
+    parser.add_argument("--widths", type=int, nargs="+", default=[1, 4, 7],
+                        help="host-cost suite: forward widths (1: a decoding step; K+1: a verify forward)")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0], help="sampling suite")
     parser.add_argument("--sampling-k", type=int, nargs="+", default=[2, 3, 4], help="sampling suite: chain K")
     parser.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3, 4],
@@ -576,6 +581,9 @@ def main(argv=None) -> int:
             prompts = read_prompts(engine, args.prompts, args.limit, context)
             run = dataset_suite(engine, prompts, args, log)
             print_dataset_table(run, log)
+        elif args.suite == "host-cost":
+            run = host_cost_suite(engine, read_prompts(engine, args.prompts, 1, context)[0], args.widths)
+            print_host_cost_table(run, log)
         elif args.suite == "sampling":
             run = sampling_suite(engine, read_prompts(engine, args.prompts, args.limit, context), args, log)
             print_sampling_table(run, log)

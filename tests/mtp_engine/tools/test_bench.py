@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from mtp_engine import MTPEngine
 from mtp_engine.kernels import cpu_recurrence
 from mtp_engine.tools.bench import cost_model, main
+from mtp_engine.tools.host_cost import host_cost_suite
 
 
 def test_bench_report(tmp_path, tiny_path):
@@ -111,3 +115,29 @@ def test_dataset_suite_interleaves_single_sequence_rounds(tmp_path, tiny_path):
     for r in rows.values():
         assert r["prompts"] == 3 and r["identical"] == "3/3"
         assert r["tokens"] == 2 * 3 * 5  # both rounds, 5 tokens a prompt (the tiny model never ends early)
+
+
+def test_host_cost_suite_splits_each_forward(tmp_path, tiny_path):
+    # One decoding step and one verify forward of 3 tokens, each timed in
+    # its three host/device phases, with their primitives counted; the
+    # verify forward is at least as large and has a commit.
+    out = tmp_path / "host.json"
+    code = main(["--model", str(tiny_path), "--suite", "host-cost", "--widths", "1", "3", "--context", "64",
+                 "--fast-path", "layer_dispatch=off", "--json", str(out)])
+    assert code == 0
+    run = json.loads(out.read_text())
+    assert run["settings"]["layer_dispatch"] is False and run["settings"]["prompt_tokens"] == 64
+    plain, verify = run["forwards"]
+    assert (plain["width"], verify["width"]) == (1, 3)
+    for r in (plain, verify):
+        assert min(r["build_ms"], r["async_eval_ms"], r["device_ms"]) >= 0
+        assert r["primitives"] == sum(r["primitives_by_type"].values()) > 100
+    assert verify["primitives"] >= plain["primitives"]
+    assert plain["commit_ms"] is None and plain["commit_primitives"] is None
+    assert verify["commit_ms"] >= 0 and verify["commit_primitives"] > 0
+
+
+def test_host_cost_suite_refuses_bad_widths(tiny_path):
+    engine = MTPEngine.load(tiny_path)
+    with pytest.raises(ValueError, match=r"widths must be positive ints, got \[1, 0\]"):
+        host_cost_suite(engine, [5, 6, 7], [1, 0])

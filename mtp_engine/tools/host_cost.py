@@ -1,0 +1,130 @@
+"""Where a forward's time goes on the host: ``python -m mtp_engine.bench
+--suite host-cost``.
+
+MLX is lazy: a trunk forward is built op by op in Python, then
+``mx.async_eval`` hands its primitives to the backend, which encodes each
+(on CUDA: a kernel launch recorded into a graph), and only then does the
+device compute. For a large model decoding one sequence the first two can
+cost more than the third. For each forward width (1: a plain decoding
+step; K+1: a verify forward with per-token state capture, then its commit)
+this suite times the three apart, over one prompt's caches:
+
+- **build**: Python constructing the forward, lm-head and token choice;
+- **async_eval**: the call that hands the graph to the backend;
+- **device**: waiting for the result after that;
+- **commit** (verify widths): the caches taking one accepted token.
+
+It also counts the forward's primitives by type (from ``mx.export_to_dot``),
+since on a host-bound backend their number is the cost. Run it with
+``--fast-path layer_dispatch=off``: dispatched layers hand their work over
+while the graph is built, which folds the encoding into "build".
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import statistics
+import tempfile
+import time
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from mtp_engine.cache.capture import StateCaptureCache, make_main_cache
+from mtp_engine.cache.ops import commit_verified_prefix
+from mtp_engine.model.dispatch import DispatchedLayer
+from mtp_engine.sampling import GREEDY, choose
+from mtp_engine.verify import decisions
+
+_PRIMITIVE = re.compile(r'label ="([^"]+)", shape=rectangle')
+
+
+def primitive_counts(*arrays: mx.array) -> collections.Counter:
+    """How many primitives of each type the unevaluated graph behind
+    ``arrays`` holds (evaluated inputs are not counted)."""
+    fd, path = tempfile.mkstemp(suffix=".dot")
+    os.close(fd)
+    try:
+        mx.export_to_dot(path, *arrays)
+        with open(path) as f:
+            return collections.Counter(_PRIMITIVE.findall(f.read()))
+    finally:
+        os.unlink(path)
+
+
+def _states(caches: list) -> list[mx.array]:
+    """Every array the caches hold, flat."""
+    return [a for _, a in tree_flatten([c.state for c in caches]) if isinstance(a, mx.array)]
+
+
+def _forward(engine, caches: list, width: int) -> mx.array:
+    """A plain decoding step (width 1) or a verify forward of ``width``
+    tokens with its acceptance decisions, built and not evaluated."""
+    inputs = mx.full((1, width), 7, dtype=mx.int32)
+    if width == 1:
+        logits = engine.lm_head(engine.model.model(inputs, cache=caches)[:, -1:, :])
+        return choose(logits, [GREEDY], mx.zeros((1, 1), dtype=mx.int32))
+    for c in caches:
+        if isinstance(c, StateCaptureCache):
+            c.begin_capture()
+    hidden = engine.model.model(inputs, cache=caches)
+    return decisions(inputs[:, 1:], engine.lm_head(hidden), [GREEDY], [0])
+
+
+def host_cost_suite(engine, prompt: list[int], widths: list[int], repeats: int = 7) -> dict:
+    """Median milliseconds of each phase and the primitive count of one
+    forward at each width, over ``prompt``'s caches (the first repeat of
+    each width is a warm-up)."""
+    if not widths or any(not isinstance(w, int) or w < 1 for w in widths):
+        raise ValueError(f"widths must be positive ints, got {widths!r}")
+    if repeats < 2:
+        raise ValueError(f"repeats must be at least 2 (the first is a warm-up), got {repeats}")
+    caches = make_main_cache(engine.model)
+    engine.prefill(prompt, caches, keep_hidden=False)
+    rows = []
+    for width in widths:
+        laps = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = _forward(engine, caches, width)
+            t1 = time.perf_counter()
+            states = _states(caches)
+            if not laps:
+                counts = primitive_counts(out, *states)
+            mx.async_eval(out, states)
+            t2 = time.perf_counter()
+            mx.eval(out, states)
+            t3 = time.perf_counter()
+            if width > 1:
+                commit_verified_prefix(caches, width, 1)
+                if not laps:
+                    commit_counts = primitive_counts(*_states(caches))
+                mx.eval(_states(caches))
+            laps.append((t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3))
+        medians = [round(1000 * statistics.median(lap[j] for lap in laps[1:]), 3) for j in range(4)]
+        rows.append({
+            "width": width,
+            "build_ms": medians[0],
+            "async_eval_ms": medians[1],
+            "device_ms": medians[2],
+            "commit_ms": medians[3] if width > 1 else None,
+            "primitives": sum(counts.values()),
+            "primitives_by_type": dict(counts.most_common()),
+            "commit_primitives": sum(commit_counts.values()) if width > 1 else None,
+        })
+    dispatched = any(isinstance(layer, DispatchedLayer) for layer in engine.model.model.layers)
+    return {"settings": {"prompt_tokens": len(prompt), "widths": widths, "repeats": repeats,
+                         "statistic": "median of the repeats after the first", "layer_dispatch": dispatched},
+            "forwards": rows}
+
+
+def print_host_cost_table(report: dict, log) -> None:
+    log(f"{'width':>6}{'build ms':>10}{'async_eval ms':>15}{'device ms':>11}{'commit ms':>11}{'primitives':>12}")
+    for r in report["forwards"]:
+        commit = "-" if r["commit_ms"] is None else f"{r['commit_ms']:.2f}"
+        log(f"{r['width']:>6}{r['build_ms']:>10.2f}{r['async_eval_ms']:>15.2f}{r['device_ms']:>11.2f}{commit:>11}"
+            f"{r['primitives']:>12}")
+        top = list(r["primitives_by_type"].items())[:8]
+        log("       " + ", ".join(f"{name} {n}" for name, n in top))
