@@ -553,6 +553,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.single_rounds < 0:
         parser.error(f"--single-rounds must be 0 or more, got {args.single_rounds}")
+    if any(w < 1 for w in args.widths):
+        parser.error(f"--widths must be positive, got {' '.join(map(str, args.widths))}")
     log = lambda m: print(m, flush=True)
 
     if args.synthetic:

@@ -143,14 +143,15 @@ def run_singles_interleaved(engine, prompts, max_tokens, ks: list[int], referenc
     plain, ``ks``; their outputs are the first round's."""
     runs = [Run("plain, one at a time", 1, 0)] + [Run("single-sequence chain", 1, k) for k in ks]
     for r in range(rounds):
+        # Fresh projections each round: every round draws the same acceptances.
+        projections = {k: _projections(engine, len(prompts), references if k else None, profile) for k in [0, *ks]}
         for i, ids in enumerate(prompts):
             shift = (i + r) % len(runs)
             for run in runs[shift:] + runs[:shift]:
                 k = run.draft_tokens
-                projection = _projections(engine, 1, [references[i]], profile)[0] if k and references else None
                 mx.reset_peak_memory()
                 t = time.perf_counter()
-                result = _decode(engine, ids, max_tokens, k, projection)
+                result = _decode(engine, ids, max_tokens, k, projections[k][i])
                 run.seconds += time.perf_counter() - t
                 run.peak_memory = max(run.peak_memory, mx.get_peak_memory())
                 _collect(run, [result])

@@ -106,7 +106,7 @@ def test_dataset_suite_interleaves_single_sequence_rounds(tmp_path, tiny_path):
     out = tmp_path / "bench.json"
     code = main(["--model", str(tiny_path), "--prompts", str(prompts), "--suite", "dataset", "--limit", "3",
                  "--max-tokens", "5", "--batch-sizes", "--single-k", "2", "--single-rounds", "2",
-                 "--no-mlx-lm-batch", "--json", str(out)])
+                 "--acceptance-profile", "0.9,0.5", "--no-mlx-lm-batch", "--json", str(out)])
     assert code == 0
     run = json.loads(out.read_text())
     assert run["settings"]["single_sequence_rounds"] == "2, interleaved prompt by prompt"
@@ -115,6 +115,7 @@ def test_dataset_suite_interleaves_single_sequence_rounds(tmp_path, tiny_path):
     for r in rows.values():
         assert r["prompts"] == 3 and r["identical"] == "3/3"
         assert r["tokens"] == 2 * 3 * 5  # both rounds, 5 tokens a prompt (the tiny model never ends early)
+    assert rows[("single-sequence chain", 2)]["projected_at_profile"] == "0.9,0.5"
 
 
 def test_host_cost_suite_splits_each_forward(tmp_path, tiny_path):
