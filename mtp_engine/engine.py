@@ -463,11 +463,11 @@ class MTPEngine:
                 state.position = start
             drafted = spec.propose(drafter, state, depth) if depth >= 1 else [[]]
             if projection is not None and depth >= 1:
-                projected = projection.drafts(len(drafted[0]), len(finisher.tokens))
-                if isinstance(drafted, mx.array):
+                if isinstance(drafted, mx.array):  # [P, K], lazy: its shape, not a row of it
+                    projected = projection.drafts(drafted.shape[1], len(finisher.tokens))
                     drafted = project_rows(drafted, [projected] + [None] * (drafted.shape[0] - 1))
                 else:
-                    drafted = [projected] + drafted[1:]
+                    drafted = [projection.drafts(len(drafted[0]), len(finisher.tokens))] + drafted[1:]
             t1 = time.perf_counter()
             q_scaled = mx.concatenate(state.q_scaled)[None] if rejection and depth >= 1 else None
             out = self._verify(caches, x, drafted, sampling, start, q_scaled)
