@@ -24,7 +24,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from mtp_engine.cache.capture import StateCaptureCache
+from mtp_engine.cache.capture import StateCaptureCache, state_rows
 
 
 class BatchKVCache:
@@ -252,6 +252,9 @@ def commit_rows(caches: list, width: int, keep: list[int]) -> None:
     caches settle (holes for the rest), recurrent caches take the state
     captured after input ``keep[b] - 1`` of that row."""
     every = all(k == width for k in keep)
+    # Each row's last kept input, as one array for every layer's gathers
+    # (None: all rows keep as many, and one token's states serve).
+    last = None if len(set(keep)) == 1 else mx.array([k - 1 for k in keep], dtype=mx.int32)
     for c in caches:
         if isinstance(c, BatchKVCache):
             c.settle(keep, width)
@@ -259,38 +262,20 @@ def commit_rows(caches: list, width: int, keep: list[int]) -> None:
             if every:  # the forward left each row's state after its last input
                 c.clear_captured()
             else:
-                _take_captured(c, keep)
+                _take_captured(c, keep[0] - 1, last)
         else:
             raise TypeError(f"unsupported cache type {type(c).__name__} in a batch")
 
 
-def _take_captured(cache: StateCaptureCache, keep: list[int]) -> None:
+def _take_captured(cache: StateCaptureCache, first: int, last: mx.array | None) -> None:
     captured = cache.captured
     if captured is None:
         raise ValueError("the last forward captured no states (begin_capture before the verify)")
-    if len(set(keep)) == 1:
-        cache.cache = list(captured[keep[0] - 1])
+    if last is None:
+        cache.cache = list(captured[first])
     else:
-        last = mx.array([k - 1 for k in keep], dtype=mx.int32)
-        rows = mx.arange(len(keep))
-        cache.cache = [_per_row(captured.conv_states, last, rows), _per_row(captured.ssm_states, last, rows)]
+        cache.cache = [state_rows(captured.conv_states, last), state_rows(captured.ssm_states, last)]
     cache.clear_captured()
-
-
-def _per_row(states, last: mx.array, rows: mx.array) -> mx.array:
-    """Row ``b`` of ``states[last[b]]`` for a sequence of ``[B, ...]`` states."""
-    conv_input = getattr(states, "conv_input", None)
-    if conv_input is not None:  # ConvWindows: each row's window out of its conv inputs [B, L, C]
-        B, L, C = conv_input.shape
-        n_keep = states.n_keep
-        index = rows[:, None] * L + last[:, None] + 1 + mx.arange(n_keep)[None]  # [B, n_keep]
-        return mx.take(conv_input.reshape(B * L, C), index.reshape(-1), axis=0).reshape(B, n_keep, C)
-    stacked = getattr(states, "states", None)
-    if stacked is None:
-        stacked = mx.stack(list(states))  # [T, B, ...]
-    T, B = stacked.shape[:2]
-    flat = stacked.reshape(T * B, -1)  # rows of whole states: the gather copies each one whole
-    return mx.take(flat, last * B + rows, axis=0).reshape(stacked.shape[1:])
 
 
 def make_batch_cache(model) -> list:

@@ -6,7 +6,10 @@ verify forward records, for every token, the conv window and the recurrent
 state after it (its *captured states*); commit is then a lookup.
 
 `StateCaptureCache` is the cache type that asks for it and holds the
-result; the layer that fills it is `mtp_engine.model.gated_delta`.
+result; the layer that fills it is `mtp_engine.model.gated_delta`. Where the
+states are many and large (a batch of rows on CUDA), the recurrence records
+its inputs instead and computes only the state a commit keeps
+(`mtp_engine.kernels.cuda_recurrence.DeferredStates`).
 """
 
 from __future__ import annotations
@@ -87,6 +90,12 @@ class ConvWindows(Sequence):
         t = range(len(self))[t]  # negative indices; IndexError past the end
         return mx.contiguous(self.conv_input[:, t + 1 : t + 1 + self.n_keep, :])
 
+    def rows(self, last: mx.array) -> mx.array:
+        """``[B, n_keep, C]``: row b's window after its token ``last[b]``."""
+        B, L, C = self.conv_input.shape
+        index = mx.arange(B)[:, None] * L + last[:, None] + 1 + mx.arange(self.n_keep)[None]
+        return mx.take(self.conv_input.reshape(B * L, C), index.reshape(-1), axis=0).reshape(B, self.n_keep, C)
+
 
 class StackedStates(Sequence):
     """Rows of a ``[T, ...]`` array of per-token recurrent states, taken
@@ -100,6 +109,28 @@ class StackedStates(Sequence):
 
     def __getitem__(self, t: int) -> mx.array:
         return self.states[range(len(self))[t]]
+
+    def rows(self, last: mx.array) -> mx.array:
+        """``[B, ...]``: row b's state after its token ``last[b]``."""
+        T, B = self.states.shape[:2]
+        flat = self.states.reshape(T * B, -1)  # rows of whole states: the gather copies each one whole
+        return mx.take(flat, last * B + mx.arange(B), axis=0).reshape(self.states.shape[1:])
+
+    def stacked(self) -> mx.array:
+        """Every token's state, ``[T, B, ...]``."""
+        return self.states
+
+
+def state_rows(states: Sequence, last: mx.array) -> mx.array:
+    """Row b of ``states[last[b]]``: per-token states of a forward over B
+    rows (`ConvWindows`, `StackedStates`, the CUDA kernel's deferred states,
+    or a list of ``[B, ...]`` arrays), each row at its own token."""
+    return (states if hasattr(states, "rows") else StackedStates(mx.stack(list(states)))).rows(last)
+
+
+def stack_states(states: Sequence) -> mx.array:
+    """Per-token recurrent states as one ``[T, B, ...]`` array."""
+    return states.stacked() if hasattr(states, "stacked") else mx.stack(list(states))
 
 
 class EngineKVCache(KVCache):

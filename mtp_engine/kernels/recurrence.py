@@ -65,8 +65,7 @@ def gated_delta_tokens(
     if path == CUDA_KERNEL:
         from mtp_engine.kernels import cuda_recurrence  # CUDA only
 
-        out, states = cuda_recurrence.gated_delta_tokens(q, k, v, a, b, layer.A_log, layer.dt_bias, state, keep_states)
-        return out, StackedStates(states)
+        return cuda_recurrence.gated_delta_tokens(q, k, v, a, b, layer.A_log, layer.dt_bias, state, keep_states)
     if path == CPU_PRIMITIVE or (path == MLX_OPS and mx.default_device() == mx.cpu and mask is None):
         # mlx-lm's ops path as ``gated_delta_ops`` runs it: gates, betas and
         # grouped heads for all tokens at once, then one step per token.

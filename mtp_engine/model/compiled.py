@@ -41,6 +41,7 @@ from mtp_engine.cache.capture import (
     EngineKVCache,
     StackedStates,
     StateCaptureCache,
+    stack_states,
 )
 from mtp_engine.model.gated_delta import mix_tokens
 from mtp_engine.model.mtp_head import MTPDecoderLayer, MTPHead, mlp_residual
@@ -66,8 +67,7 @@ class CompiledDecoderLayer(Qwen3NextDecoderLayer):
         )
         # The states of every token as two arrays (the conv inputs and the
         # stacked recurrent states): a commit slices out the one it keeps.
-        stacked = ssm_states.states if isinstance(ssm_states, StackedStates) else mx.stack(list(ssm_states))
-        return [mlp_residual(self, x + out), conv_states.conv_input, stacked]
+        return [mlp_residual(self, x + out), conv_states.conv_input, stack_states(ssm_states)]
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         width = x.shape[1]

@@ -98,7 +98,9 @@ def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOpti
     statuses.append(decide("cpu_recurrence", options.cpu_recurrence, True,
                            None if path == recurrence.CPU_PRIMITIVE else why if on_cpu else "not MLX's CPU backend",
                            "one primitive per layer and forward"))
-    capture = "per-token states, commit is a lookup" if layers else "nothing to capture (no gated-delta layers)"
+    capture = ("per-token states, commit is a lookup" + (
+        "; a batch's commit reruns the recurrence kernel to each row's token" if path == recurrence.CUDA_KERNEL else "")
+        if layers else "nothing to capture (no gated-delta layers)")
     statuses.append(decide("state_capture", options.state_capture, True, None, capture))
 
     sort_min = options.moe_sort_min or (MLX_LM_SORT_MIN if on_cpu else GPU_MOE_SORT_MIN)
