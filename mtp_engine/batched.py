@@ -42,6 +42,7 @@ from mtp_engine.cache.batch import (
 )
 from mtp_engine.cache.capture import StateCaptureCache, make_main_cache
 from mtp_engine.drafters.batched import BatchedCppDrafter, BatchedMLXDrafter
+from mtp_engine.options import MAX_DRAFT_TOKENS
 from mtp_engine.projection import ProjectedDrafts, project_rows
 from mtp_engine.sampling import GREEDY, SamplingParams, choose
 from mtp_engine.stopping import Finisher, stop_list
@@ -114,8 +115,8 @@ class BatchedDecoder:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if mode not in BATCH_MODES:
             raise ValueError(f"batched decoding runs modes {', '.join(BATCH_MODES)}, got {mode!r}")
-        if mode == "chain" and (not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= 16):
-            raise ValueError(f"draft_tokens must be an int in 1..16, got {draft_tokens!r}")
+        if mode == "chain" and (not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS):
+            raise ValueError(f"draft_tokens must be an int in 1..{MAX_DRAFT_TOKENS}, got {draft_tokens!r}")
         self.engine = engine
         self.batch_size = batch_size
         self.mode = mode

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mtp_engine.options import MAX_DRAFT_TOKENS
+
 MODES = ("baseline", "chain", "adaptive", "tree", "adaptive_tree", "paths")
 SPECULATIVE_MODES = MODES[1:]
 
@@ -39,8 +41,8 @@ class DecodeConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if not isinstance(self.draft_tokens, int) or not 1 <= self.draft_tokens <= 16:
-            raise ValueError(f"draft_tokens must be an int in 1..16, got {self.draft_tokens!r}")
+        if not isinstance(self.draft_tokens, int) or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"draft_tokens must be an int in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens!r}")
         if not 0.0 < float(self.tau) <= 1.0:
             raise ValueError(f"tau must be in (0, 1], got {self.tau!r}")
         if not isinstance(self.paths, int) or not 1 <= self.paths <= 8:

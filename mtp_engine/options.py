@@ -29,6 +29,16 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "MTP_CPP_DRAFTER": ("cpp_drafter", "0: draft with the MLX head instead of the C++ head on the CPU"),
 }
 
+MAX_DRAFT_TOKENS = 16
+"""Most drafts a chain verifies in one step (K in 1..16)."""
+
+MAX_VERIFY_WIDTH = MAX_DRAFT_TOKENS + 1
+"""Widest verify forward, in tokens a row: the last token and K drafts (and
+the most pairs a head forward consumes after a commit). Every path that
+decoding and verify forwards must share, or that only they take (the MoE
+kernel, compiled layers and head, layer dispatch), covers widths up to this
+one; wider forwards are prompt prefill."""
+
 GPU_MOE_SORT_MIN = 1024
 """Routed selections from which a GPU's MoE blocks sort their tokens by
 expert: prefill chunks do, verify forwards and decoding batches do not."""
@@ -101,12 +111,12 @@ class EngineOptions:
             selections each expert's tokens run in blocks of rows, so an
             expert's weights are read once per block (None: on CUDA, whose
             ``gather_qmm`` reads them once per selection).
-        moe_kernel: With ``contiguous_moe``, forwards of up to 16 tokens a
-            row (decoding, drafts, verify forwards) run the expert products
+        moe_kernel: With ``contiguous_moe``, forwards of up to
+            `MAX_VERIFY_WIDTH` tokens a row (decoding, drafts, verify forwards) run the expert products
             of 4- and 8-bit experts in the engine's CUDA kernel, which reads
             an expert's weights once for several of its tokens (None: on
             CUDA); prefill keeps MLX's products (``grouped_moe``).
-        layer_dispatch: In verify forwards (2 to 16 tokens a row) each
+        layer_dispatch: In verify forwards (2 to `MAX_VERIFY_WIDTH` tokens a row) each
             trunk decoder layer hands its output to the device as soon as
             it is built (``mx.async_eval``), so the device computes a layer
             while the host builds the next (not inside ``mx.grad`` or

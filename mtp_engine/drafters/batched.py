@@ -24,9 +24,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtp_engine.cache.batch import BatchKVCache
-from mtp_engine.drafters.compiled_head import MAX_COMPILED_WIDTH, CompiledHead
+from mtp_engine.drafters.compiled_head import CompiledHead
 from mtp_engine.drafters.cpp_head import CppDrafter
 from mtp_engine.model.mtp_head import MTPHead
+from mtp_engine.options import MAX_VERIFY_WIDTH
 from mtp_engine.sampling import SamplingParams, draft_choice
 from mtp_engine.verify import positions_of
 
@@ -171,7 +172,7 @@ class BatchedMLXDrafter:
 
     def _forward(self, hidden: mx.array, ids: mx.array) -> mx.array:
         """The head's final-normed hiddens over ``[B, L]`` pairs."""
-        if self.compiled is not None and ids.shape[1] <= MAX_COMPILED_WIDTH:
+        if self.compiled is not None and ids.shape[1] <= MAX_VERIFY_WIDTH:
             return self.compiled.hiddens(hidden, ids, self.cache)
         return self.head(hidden, self.embed(ids), self.cache)
 

@@ -38,10 +38,6 @@ from mtp_engine.model.mtp_head import (
     mlp_residual,
 )
 
-MAX_COMPILED_WIDTH = 16
-"""Widest draft forward (pairs per call) that takes the compiled path; a
-prompt's head prefill is wider and runs eagerly (one trace per width)."""
-
 
 def can_compile_head(head: MTPHead) -> bool:
     """Whether `CompiledHead` can run this head: RoPE must take its position
@@ -111,7 +107,7 @@ class CompiledHead:
 
     def __call__(self, hidden: mx.array, tokens: mx.array, cache: list):
         """The head over pairs ``(hidden[:, j], tokens[:, j])`` (``[1, L, dim]``
-        and ``[1, L]``, L <= `MAX_COMPILED_WIDTH`) with its KV caches.
+        and ``[1, L]``, L <= `MAX_VERIFY_WIDTH`) with its KV caches.
 
         Returns:
             The last position's logits ``[vocab]``, its hidden ``M``

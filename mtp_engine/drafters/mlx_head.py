@@ -27,12 +27,12 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from mtp_engine.drafters.compiled_head import (
-    MAX_COMPILED_WIDTH,
     CompiledHead,
     last_draft,
 )
 from mtp_engine.model.mtp_head import MTPHead
 from mtp_engine.modes import SPECULATIVE_MODES
+from mtp_engine.options import MAX_VERIFY_WIDTH
 from mtp_engine.sampling import (
     DRAFT,
     GREEDY,
@@ -87,7 +87,7 @@ class MLXDrafter:
         lm_head: Maps hiddens to logits (the trunk's LM head).
         prefill_step_size: Pending pairs consumed per forward at most, so a
             long prompt's MTP prefill is chunked like the trunk's.
-        compiled: Run draft forwards of up to `MAX_COMPILED_WIDTH` pairs
+        compiled: Run draft forwards of up to `MAX_VERIFY_WIDTH` pairs
             through a `CompiledHead` (the head's weights as they are now).
     """
 
@@ -145,7 +145,7 @@ class MLXDrafter:
     def _forward(self, state: MTPDraftState, hidden: mx.array, tokens: mx.array):
         """Logits ``[vocab]``, hidden ``M`` ``[1, 1, dim]`` and greedy token
         ``[1, 1]`` int32 of the last of the pairs (lazy)."""
-        if self.compiled is not None and tokens.shape[1] <= MAX_COMPILED_WIDTH:
+        if self.compiled is not None and tokens.shape[1] <= MAX_VERIFY_WIDTH:
             return self.compiled(hidden, tokens, state.cache)
         return last_draft(self.head(hidden, self.embed(tokens), state.cache), self.lm_head)
 

@@ -15,7 +15,7 @@ What is compiled, per decoder layer:
 
 Only the engine's forwards take the compiled path: it needs the engine's
 caches (`StateCaptureCache`, `EngineKVCache`), and widths up to
-`MAX_COMPILED_WIDTH` tokens (prompt prefill stays eager). mlx-lm's own
+`MAX_VERIFY_WIDTH` tokens (prompt prefill stays eager). mlx-lm's own
 decoding of the same model instance (the lossless reference, the batch mode)
 builds mlx-lm caches and runs mlx-lm's code unchanged.
 
@@ -46,9 +46,7 @@ from mtp_engine.cache.capture import (
 from mtp_engine.model.gated_delta import mix_tokens
 from mtp_engine.model.mtp_head import MTPDecoderLayer, MTPHead, mlp_residual
 from mtp_engine.model.swap import share_weights
-
-MAX_COMPILED_WIDTH = 16
-"""Widest forward (tokens per row) that takes the compiled path."""
+from mtp_engine.options import MAX_VERIFY_WIDTH
 
 
 class CompiledDecoderLayer(Qwen3NextDecoderLayer):
@@ -71,7 +69,7 @@ class CompiledDecoderLayer(Qwen3NextDecoderLayer):
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         width = x.shape[1]
-        if width <= MAX_COMPILED_WIDTH:
+        if width <= MAX_VERIFY_WIDTH:
             if self.is_linear and _compiled_linear_ok(cache, mask, width):
                 res = self._linear_fn(x, cache[0], cache[1])
                 n_keep = self.linear_attn.conv_kernel_size - 1
@@ -103,7 +101,7 @@ class CompiledMTPLayer(MTPDecoderLayer):
         return new
 
     def __call__(self, x: mx.array, mask, cache) -> mx.array:
-        if x.shape[1] > MAX_COMPILED_WIDTH:
+        if x.shape[1] > MAX_VERIFY_WIDTH:
             return super().__call__(x, mask, cache)
         return self._mlp_fn(x + self.self_attn(self.input_layernorm(x), mask, cache))
 

@@ -7,7 +7,7 @@ dispatched layer calls ``mx.async_eval`` on its output, so the device
 computes layer ``l`` while the host builds layer ``l + 1``. The values are
 the same arrays as without it: only when they are computed changes.
 
-Only verify forwards dispatch (2 to `MAX_WIDTH` tokens a row). On the H200
+Only verify forwards dispatch (2 to `MAX_VERIFY_WIDTH` tokens a row). On the H200
 (80B-A3B shapes, 8 rows) dispatching made verify steps of 4 tokens a row
 faster (66 against 87 ms) but one-token decoding steps slower (48-52 against
 38-43 ms), and in prompt prefill, where the device is the slower side, the
@@ -25,19 +25,17 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtp_engine.model.swap import share_weights
-
-MAX_WIDTH = 16
-"""Widest forward (tokens a row) that dispatches layer by layer."""
+from mtp_engine.options import MAX_VERIFY_WIDTH
 
 
 class DispatchedLayer:
     """Mixin for a decoder layer class: in verify forwards (2 to
-    `MAX_WIDTH` tokens a row) its output is evaluated asynchronously as soon
+    `MAX_VERIFY_WIDTH` tokens a row) its output is evaluated asynchronously as soon
     as the layer's ops are built."""
 
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
         out = super().__call__(x, *args, **kwargs)
-        if not 1 < x.shape[1] <= MAX_WIDTH:
+        if not 1 < x.shape[1] <= MAX_VERIFY_WIDTH:
             return out
         try:
             mx.async_eval(out)

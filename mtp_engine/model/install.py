@@ -20,7 +20,6 @@ from mtp_engine.model.dispatch import install_layer_dispatch
 from mtp_engine.model.gated_delta import gated_delta_layers, install_state_capture
 from mtp_engine.model.moe import (
     GROUP_ROWS,
-    KERNEL_MAX_TOKENS,
     MLX_LM_SORT_MIN,
     EngineSparseMoeBlock,
     install_moe_blocks,
@@ -30,6 +29,7 @@ from mtp_engine.model.rowwise import install_rowwise_linears
 from mtp_engine.options import (
     GPU_MOE_GROUP_MIN,
     GPU_MOE_SORT_MIN,
+    MAX_VERIFY_WIDTH,
     EngineOptions,
     FastPathStatus,
 )
@@ -69,7 +69,7 @@ def install_moe_kernel(model: nn.Module, head: nn.Module, options: EngineOptions
     runs = reasons.count(None)
     some = "" if runs == len(blocks) else f" ({runs} of {len(blocks)} MoE blocks; the rest keep MLX's)"
     status = decide("moe_kernel", options.moe_kernel, on_cuda, why,
-                    f"forwards of up to {KERNEL_MAX_TOKENS} tokens a row read each expert's weights once{some}")
+                    f"forwards of up to {MAX_VERIFY_WIDTH} tokens a row read each expert's weights once{some}")
     for block, reason in zip(blocks, reasons):
         block.expert_kernel = status.state == "on" and reason is None
     return status
@@ -127,7 +127,7 @@ def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOpti
     if act.state == "on":
         install_fast_activations(model, head)
 
-    compiled = decide("compile_layers", options.compile_layers, on_cpu, None, "decode and verify widths up to 16")
+    compiled = decide("compile_layers", options.compile_layers, on_cpu, None, f"decode and verify widths up to {MAX_VERIFY_WIDTH}")
     statuses.append(compiled)
     if compiled.state == "on":
         install_compiled_layers(model, head)

@@ -26,7 +26,7 @@ Sorted or not, MLX's CUDA ``gather_qmm`` runs one single-row product per
 CUDA) `grouped_switch_glu` lays each expert's tokens out as blocks of
 `GROUP_ROWS` rows, so each product reads an expert's weights once per block.
 With `EngineSparseMoeBlock.expert_kernel` (`EngineOptions.moe_kernel`, on
-CUDA) forwards of up to `KERNEL_MAX_TOKENS` tokens a row run the engine's
+CUDA) forwards of up to `MAX_VERIFY_WIDTH` tokens a row run the engine's
 own kernel (`mtp_engine.kernels.cuda_moe`) instead, whose per-token
 arithmetic does not depend on the batch; prompt prefill keeps the above.
 """
@@ -43,6 +43,7 @@ from mlx_lm.models.switch_layers import (  # mlx-lm is pinned to 0.32.x
 )
 
 from mtp_engine.model.swap import share_weights, swap_modules
+from mtp_engine.options import MAX_VERIFY_WIDTH
 
 MLX_LM_SORT_MIN = 64
 """mlx-lm's threshold: sort once this many (token, expert) selections are routed."""
@@ -111,13 +112,6 @@ def grouped_switch_glu(switch: SwitchGLU, x: mx.array, indices: mx.array, rows: 
     return y.reshape(-1, y.shape[-1])[slots].reshape(*indices.shape, -1)
 
 
-KERNEL_MAX_TOKENS = 16
-"""With `EngineSparseMoeBlock.expert_kernel`, forwards of up to this many
-tokens a row take the kernel: decoding, drafts and verify forwards (chains
-of up to 15 drafts), which must share its arithmetic; longer ones (prompt
-prefill) take MLX's products, grouped from ``group_min`` selections."""
-
-
 class EngineSparseMoeBlock(Qwen3NextSparseMoeBlock):
     """``Qwen3NextSparseMoeBlock`` with contiguous routing indices.
 
@@ -125,7 +119,7 @@ class EngineSparseMoeBlock(Qwen3NextSparseMoeBlock):
         sort_min: Routed selections from which the experts' tokens are sorted.
         group_min: Routed selections from which each expert's tokens run in
             blocks (`grouped_switch_glu`), or None: never.
-        expert_kernel: Forwards of up to `KERNEL_MAX_TOKENS` tokens a row
+        expert_kernel: Forwards of up to `MAX_VERIFY_WIDTH` tokens a row
             run their expert products in the CUDA kernel
             (`mtp_engine.kernels.cuda_moe`).
     """
@@ -143,7 +137,7 @@ class EngineSparseMoeBlock(Qwen3NextSparseMoeBlock):
         scores = mx.take_along_axis(gates, inds, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
-        if self.expert_kernel and (x.ndim < 2 or x.shape[-2] <= KERNEL_MAX_TOKENS):
+        if self.expert_kernel and (x.ndim < 2 or x.shape[-2] <= MAX_VERIFY_WIDTH):
             # Imported here: the kernel is only installed on CUDA backends.
             from mtp_engine.kernels import cuda_moe
 

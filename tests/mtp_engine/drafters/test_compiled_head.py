@@ -8,9 +8,10 @@ import mlx.core as mx
 import pytest
 
 from mtp_engine import MTPEngine
-from mtp_engine.drafters.compiled_head import MAX_COMPILED_WIDTH, can_compile_head
+from mtp_engine.drafters.compiled_head import can_compile_head
 from mtp_engine.drafters.mlx_head import MLXDrafter
 from mtp_engine.io.tiny import tiny_config
+from mtp_engine.options import MAX_VERIFY_WIDTH
 from tests.conftest import PROMPTS
 
 
@@ -71,7 +72,7 @@ def test_compiled_head_drafts_what_the_eager_head_drafts(request, engine_name, p
 
 
 def test_wide_forwards_run_eagerly(tiny_engine):
-    """A head prefill wider than MAX_COMPILED_WIDTH takes the eager path (a
+    """A head prefill wider than MAX_VERIFY_WIDTH takes the eager path (a
     new trace per prompt length would cost more than it saves)."""
     _, compiled = drafters(tiny_engine)
     calls = []
@@ -82,7 +83,7 @@ def test_wide_forwards_run_eagerly(tiny_engine):
         return original(*args)
 
     compiled.compiled._enter = counting
-    ids = list(range(3, 3 + MAX_COMPILED_WIDTH + 8))
+    ids = list(range(3, 3 + MAX_VERIFY_WIDTH + 8))
     run_chain(compiled, tiny_engine, ids, pending=3, steps=2)
     assert calls == [3, 1, 1]
 

@@ -14,13 +14,12 @@ from mtp_engine import MTPEngine
 from mtp_engine.cache.capture import StateCaptureCache, make_main_cache
 from mtp_engine.cache.ops import commit_tree_row, tile_caches
 from mtp_engine.model.compiled import (
-    MAX_COMPILED_WIDTH,
     CompiledDecoderLayer,
     CompiledMTPLayer,
     install_compiled_layers,
 )
 from mtp_engine.model.loader import load_checkpoint
-from mtp_engine.options import EngineOptions
+from mtp_engine.options import MAX_DRAFT_TOKENS, MAX_VERIFY_WIDTH, EngineOptions
 from tests.mtp_engine.cache.helpers import begin_capture, prefilled
 
 PROMPT = [12, 7, 99, 31, 5, 150, 42, 8, 77, 3]
@@ -128,12 +127,28 @@ def test_mlx_lm_caches_and_prefill_stay_eager(pair):
     # mlx-lm's own caches (its generate_step, the lossless reference): eager.
     ours, theirs = sizes(lambda m: m.make_cache(), [5, 6, 7])
     assert ours == theirs
-    # The engine's caches: eager past MAX_COMPILED_WIDTH tokens (prompt
+    # The engine's caches: eager past MAX_VERIFY_WIDTH tokens (prompt
     # prefill), compiled up to it.
-    ours, theirs = sizes(make_main_cache, list(range(1, MAX_COMPILED_WIDTH + 3)))
+    ours, theirs = sizes(make_main_cache, list(range(1, MAX_VERIFY_WIDTH + 3)))
     assert ours == theirs
     ours, theirs = sizes(_prefill, [5])
     assert ours < theirs
+
+
+def test_the_widest_verify_forward_is_compiled(pair):
+    """A chain of the most drafts (`MAX_DRAFT_TOKENS`) verifies
+    `MAX_VERIFY_WIDTH` tokens: compiled like every narrower verify, with the
+    eager layers' bits."""
+    outs, sizes = [], []
+    for ckpt in pair:
+        caches = _prefill(ckpt.model)
+        begin_capture(caches)
+        out = ckpt.model(mx.array([list(range(5, 6 + MAX_DRAFT_TOKENS))]), cache=caches)
+        sizes.append(_graph_size([out]))
+        outs.append(out)
+    assert outs[0].shape[1] == MAX_VERIFY_WIDTH
+    assert sizes[0] < sizes[1]
+    assert mx.array_equal(*outs)
 
 
 @pytest.mark.parametrize("width", [1, 3])
