@@ -5,7 +5,7 @@
 # its result file into $OUT (default benchmarks/results); copy them into
 # benchmarks/results/ to make them current.
 #
-#   bash benchmarks/h200.sh tests      # the GPU-only tests (kernels on the device), batched / sampled exactness on CUDA
+#   bash benchmarks/h200.sh tests      # the GPU-only tests (kernels on the device), batched / sampled exactness on CUDA (~4 min warm, more cold)
 #   bash benchmarks/h200.sh shipped    # shipped model, bf16, every chain depth one prompt at a time -> h200-shipped.json
 #   bash benchmarks/h200.sh dataset    # shipped model over a dataset: plain, single chain, mlx-lm and our batching,
 #                                      # batched chains B=8..32 K=1..4, all prompts then loop-free -> h200-dataset*.json
@@ -18,6 +18,8 @@
 #   bash benchmarks/h200.sh 80b-phases # as 80b, every phase of the batched decoder timed -> h200-80b-phases.json
 #   bash benchmarks/h200.sh 80b-host   # one 80B forward of 1 / 4 / 7 tokens split into Python building it, MLX
 #                                      # encoding it and the device; primitives counted -> h200-80b-host.json
+#   bash benchmarks/h200.sh 80b-prefill # one 1K-token 80B prefill and its pieces alone (layers, mixers, recurrence,
+#                                      # MoE parts, expert blocks of 8-64 rows) -> h200-80b-prefill.json
 #   bash benchmarks/h200.sh qwen3.5-27b       # Qwen3.5-27B (dense) shapes, random 4-bit weights, 1K context, drafts
 #   bash benchmarks/h200.sh qwen3.5-35b-a3b   # projected at profile 0.93,0.82,0.64 -> h200-qwen3.5-*.json (one call each)
 #
@@ -31,9 +33,9 @@ out=${OUT:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH=/root/site:$PWD
 bench="python3 -u -m mtp_engine.bench"
-case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, qwen3.5-27b or qwen3.5-35b-a3b}" in
+case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
-    timeout "${LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
+    timeout "${LIMIT:-480}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
       tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/model/test_dispatch.py tests/mtp_engine/test_batched.py tests/mtp_engine/test_sampling.py \
       2>&1 | tail -15 ;;
   shipped)
@@ -67,6 +69,9 @@ case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths,
     esac
     timeout "${LIMIT:-580}" $bench --synthetic 80b --suite dataset --acceptance-profile 0.93,0.82,0.64 \
       --max-tokens 128 --contexts $ctx $args --no-mlx-lm-batch --json "$out/h200-$1.json" 2>&1 | grep -v "^round" ;;
+  80b-prefill)
+    timeout "${LIMIT:-200}" $bench --synthetic 80b --suite prefill-cost --contexts 1024 --block-rows 8 16 32 64 \
+      --json "$out/h200-80b-prefill.json" ;;
   80b-host)
     timeout "${LIMIT:-200}" $bench --synthetic 80b --suite host-cost --contexts 1024 --widths 1 4 7 \
       --fast-path layer_dispatch=off --json "$out/h200-80b-host.json" ;;

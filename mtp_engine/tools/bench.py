@@ -42,6 +42,7 @@ from mtp_engine.tools.dataset_bench import (
 )
 from mtp_engine.tools.host_cost import host_cost_suite, print_host_cost_table
 from mtp_engine.tools.loops import find_loop
+from mtp_engine.tools.prefill_cost import prefill_cost_suite, print_prefill_cost_table
 from mtp_engine.tools.synthetic import (
     SYNTHETIC,
     random_quantized_checkpoint,
@@ -520,12 +521,16 @@ def main(argv=None) -> int:
     parser.add_argument("--time-budget", type=float, default=None, help="seconds; later contexts are skipped past it")
     parser.add_argument("--json", help="write the report here")
     add_fast_path_option(parser)
-    parser.add_argument("--suite", choices=["single", "dataset", "sampling", "host-cost"], default="single",
+    parser.add_argument("--suite", choices=["single", "dataset", "sampling", "host-cost", "prefill-cost"],
+                        default="single",
                         help="single: every mode one prompt at a time; dataset: throughput over the prompt set "
                         "(plain, single-sequence chain, plain batching and batched speculation at each batch size); "
                         "sampling: plain sampling against chains under both samplers at each --temperatures; "
                         "host-cost: one forward per --widths split into Python building it, handing it to the "
-                        "backend and the device, with its primitives counted (use --fast-path layer_dispatch=off)")
+                        "backend and the device, with its primitives counted (use --fast-path layer_dispatch=off); "
+                        "prefill-cost: one prompt's prefill and the trunk's pieces alone over its length")
+    parser.add_argument("--block-rows", type=int, nargs="+", default=[8, 16, 32, 64],
+                        help="prefill-cost suite: rows per block of the grouped expert products")
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 4, 7],
                         help="host-cost suite: forward widths (1: a decoding step; K+1: a verify forward)")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0], help="sampling suite")
@@ -555,6 +560,8 @@ def main(argv=None) -> int:
         parser.error(f"--single-rounds must be 0 or more, got {args.single_rounds}")
     if any(w < 1 for w in args.widths):
         parser.error(f"--widths must be positive, got {' '.join(map(str, args.widths))}")
+    if any(r < 1 for r in args.block_rows):
+        parser.error(f"--block-rows must be positive, got {' '.join(map(str, args.block_rows))}")
     log = lambda m: print(m, flush=True)
 
     if args.synthetic:
@@ -586,6 +593,9 @@ def main(argv=None) -> int:
         elif args.suite == "host-cost":
             run = host_cost_suite(engine, read_prompts(engine, args.prompts, 1, context)[0], args.widths)
             print_host_cost_table(run, log)
+        elif args.suite == "prefill-cost":
+            run = prefill_cost_suite(engine, read_prompts(engine, args.prompts, 1, context)[0], args.block_rows)
+            print_prefill_cost_table(run, log)
         elif args.suite == "sampling":
             run = sampling_suite(engine, read_prompts(engine, args.prompts, args.limit, context), args, log)
             print_sampling_table(run, log)

@@ -11,6 +11,7 @@ from mtp_engine import MTPEngine
 from mtp_engine.kernels import cpu_recurrence
 from mtp_engine.tools.bench import cost_model, main
 from mtp_engine.tools.host_cost import host_cost_suite
+from mtp_engine.tools.prefill_cost import prefill_cost_suite
 
 
 def test_bench_report(tmp_path, tiny_path):
@@ -142,3 +143,35 @@ def test_host_cost_suite_refuses_bad_widths(tiny_path):
     engine = MTPEngine.load(tiny_path)
     with pytest.raises(ValueError, match=r"widths must be positive ints, got \[1, 0\]"):
         host_cost_suite(engine, [5, 6, 7], [1, 0])
+
+
+def test_prefill_cost_suite_times_the_prefill_and_its_pieces(tmp_path, tiny_path):
+    # One prompt's whole prefill, then each kind of layer, its mixer, the
+    # recurrence, projections and the MoE block's parts alone over its
+    # length, and the routed experts grouped in blocks of each size.
+    out = tmp_path / "prefill.json"
+    code = main(["--model", str(tiny_path), "--suite", "prefill-cost", "--block-rows", "4", "16", "--context", "64",
+                 "--json", str(out)])
+    assert code == 0
+    run = json.loads(out.read_text())
+    engine = MTPEngine.load(tiny_path)
+    linear = sum(layer.is_linear for layer in engine.model.model.layers)
+    assert run["settings"]["prompt_tokens"] == 64 and run["settings"]["recurrence"] == "cpu primitive"
+    assert run["layers"] == {"gated_delta": linear, "attention": len(engine.model.model.layers) - linear}
+    pieces = run["pieces_ms"]
+    assert set(pieces) == {"prefill", "gated_delta_layer", "gated_delta_mixer", "gated_delta_projections",
+                           "recurrence", "attention_layer", "attention_mixer", "mlp", "router", "shared_expert"}
+    assert all(ms > 0 for ms in pieces.values())
+    assert set(run["expert_blocks_ms"]) == {"4", "16"} and all(ms > 0 for ms in run["expert_blocks_ms"].values())
+    assert run["estimate_ms"] > 0
+
+
+def test_prefill_cost_suite_refuses_bad_block_rows(tiny_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", str(tiny_path), "--suite", "prefill-cost", "--block-rows", "16", "0"])
+    assert exit_.value.code == 2 and "--block-rows must be positive, got 16 0" in capsys.readouterr().err
+    engine = MTPEngine.load(tiny_path)
+    with pytest.raises(ValueError, match=r"block_rows must be positive ints, got \[\]"):
+        prefill_cost_suite(engine, [5, 6, 7], [])
+    with pytest.raises(ValueError, match="the prompt needs at least 2 tokens, got 1"):
+        prefill_cost_suite(engine, [5], [16])
