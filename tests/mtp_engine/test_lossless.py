@@ -9,13 +9,19 @@ float32 none are expected.
 
 from __future__ import annotations
 
+import mlx.core as mx
 import pytest
 
 from mtp_engine import MTPEngine
 from mtp_engine.io.tiny import tiny_config
 from tests.conftest import PROMPTS
 
-NEAR_TIE = 1e-4
+# On the CPU in float32 the engine's arithmetic is mlx-lm's, bit for bit.
+# On CUDA its recurrence and MoE kernels sum in another order than mlx-lm's
+# ops, and MLX's float32 products differ more between a batched and a
+# one-token pass: a gap of 8.8e-4 parted the engine from mlx-lm on the H200
+# (as test_sampling's 2.3e-3).
+NEAR_TIE = 1e-4 if mx.default_device() == mx.cpu else 1e-2
 N_TOKENS = 64
 
 # Tiny configs varying depth, attention interval, linear k/v head ratio,
