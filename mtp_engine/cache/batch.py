@@ -252,9 +252,9 @@ def commit_rows(caches: list, width: int, keep: list[int]) -> None:
     caches settle (holes for the rest), recurrent caches take the state
     captured after input ``keep[b] - 1`` of that row."""
     every = all(k == width for k in keep)
-    # Each row's last kept input, as one array for every layer's gathers
-    # (None: all rows keep as many, and one token's states serve).
-    last = None if len(set(keep)) == 1 else mx.array([k - 1 for k in keep], dtype=mx.int32)
+    # Each row's last kept input: one token for all rows, or one array for
+    # every layer's per-row gathers.
+    last = keep[0] - 1 if len(set(keep)) == 1 else mx.array([k - 1 for k in keep], dtype=mx.int32)
     for c in caches:
         if isinstance(c, BatchKVCache):
             c.settle(keep, width)
@@ -262,17 +262,17 @@ def commit_rows(caches: list, width: int, keep: list[int]) -> None:
             if every:  # the forward left each row's state after its last input
                 c.clear_captured()
             else:
-                _take_captured(c, keep[0] - 1, last)
+                _take_captured(c, last)
         else:
             raise TypeError(f"unsupported cache type {type(c).__name__} in a batch")
 
 
-def _take_captured(cache: StateCaptureCache, first: int, last: mx.array | None) -> None:
+def _take_captured(cache: StateCaptureCache, last: int | mx.array) -> None:
     captured = cache.captured
     if captured is None:
         raise ValueError("the last forward captured no states (begin_capture before the verify)")
-    if last is None:
-        cache.cache = list(captured[first])
+    if isinstance(last, int):
+        cache.cache = list(captured[last])
     else:
         cache.cache = [state_rows(captured.conv_states, last), state_rows(captured.ssm_states, last)]
     cache.clear_captured()

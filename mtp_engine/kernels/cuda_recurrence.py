@@ -75,14 +75,14 @@ def _launch(q, k, v, g, beta, state, mode: int, last: mx.array | None = None) ->
     placeholder where the mode writes none)."""
     B, T, Hk, Dk = k.shape
     Hv, Dv = v.shape[2:]
-    state_rows = {FINAL: 1, EVERY: T, AT: 1}.get(mode)
+    n_states = {FINAL: 1, EVERY: T, AT: 1}.get(mode)  # None: the mode writes no state
     return _kernel()(
         inputs=[q, k, v, g, beta, state, _int32(T), _int32(0) if last is None else last],
         template=[("InT", q.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv), ("MODE", mode)],
         grid=(32, Dv, B * Hv),
         threadgroup=(32, 4, 1),
         output_shapes=[(1,) if mode == AT else (B, T, Hv, Dv),
-                       (1,) if state_rows is None else (state_rows, B, Hv, Dv, Dk)],
+                       (1,) if n_states is None else (n_states, B, Hv, Dv, Dk)],
         output_dtypes=[q.dtype, mx.float32],
     )
 

@@ -20,7 +20,7 @@ from mtp_engine.batched import PHASES, BatchedDecoder
 from mtp_engine.io.tiny import tiny_config
 from mtp_engine.projection import ProjectedDrafts, parse_profile, project_rows
 from tests.conftest import PROMPTS
-from tests.mtp_engine.test_lossless import CONFIGS, NEAR_TIE
+from tests.mtp_engine.test_lossless import CONFIGS, first_divergence
 
 LONG = " ".join(PROMPTS) * 3  # a few hundred tokens
 
@@ -67,21 +67,10 @@ def rows_for(engine, reference, n_tokens: int = 48):
     return rows
 
 
-def _equal_or_near_tie(ours: list[int], ref: list[int], gaps: list[float]) -> str:
-    """"identical" (a prefix of the reference) or "near_tie" (the first
-    divergence sits where the reference's top-2 gap is under NEAR_TIE)."""
-    for i, (a, b) in enumerate(zip(ours, ref)):
-        if a != b:
-            assert gaps[i] < NEAR_TIE, f"divergence at token {i}: {a} vs {b}, gap {gaps[i]:.3g}"
-            return "near_tie"
-    assert len(ours) <= len(ref)
-    return "identical"
-
-
 def check_row(result, row, eos, engine) -> str:
     """"identical" or "near_tie"; fails on any other divergence."""
     ours, ref = result.tokens, row["ref"]
-    if _equal_or_near_tie(ours, ref, row["gaps"]) == "near_tie":
+    if first_divergence(ours, ref, row["gaps"]) == "near_tie":
         return "near_tie"
     if result.finish_reason == "length":
         assert len(ours) == row["max_tokens"]
@@ -188,14 +177,14 @@ def test_projected_drafts_keep_the_output_and_follow_the_profile(models):
     while decoder.pending:
         results.update(decoder.step())
     for i, (ref, gaps) in enumerate(greedy):
-        _equal_or_near_tie(results[i].tokens, ref, gaps)
+        first_divergence(results[i].tokens, ref, gaps)
     steps = sum(r.stats.steps for r in results.values())
     histogram = [sum(r.stats.histogram[n] for r in results.values()) for n in range(4)]
     # P(accepted >= n) = 0.9, 0.8, 0.6 (steps near a budget's end draft less).
     assert 0.85 < sum(histogram[1:]) / steps < 0.95 and 0.5 < histogram[3] / steps < 0.7
     single = engine.generate(prompts[0], max_tokens=40, mode="chain", draft_tokens=3,
                              projection=ProjectedDrafts(profile, refs[0], vocab, seed=0))
-    _equal_or_near_tie(single.tokens, *greedy[0])
+    first_divergence(single.tokens, *greedy[0])
     assert single.stats.acceptance_length > 2
     with pytest.raises(ValueError, match="non-increasing"):
         parse_profile("0.5,0.9")

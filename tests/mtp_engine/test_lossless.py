@@ -105,9 +105,10 @@ MODE_PARAMS = {
 }
 
 
-def check_against_reference(result, ref_tokens, ref_gaps, eos, n_tokens=N_TOKENS) -> str:
-    """Return "identical" or "near_tie"; fail on any other divergence."""
-    ours = result.tokens
+def first_divergence(ours: list[int], ref_tokens: list[int], ref_gaps: list[float]) -> str:
+    """"identical" (``ours`` is a prefix of the reference) or "near_tie"
+    (they part where the reference's top-2 gap is under NEAR_TIE); fail on
+    any other divergence."""
     for i, (a, b) in enumerate(zip(ours, ref_tokens)):
         if a != b:
             assert ref_gaps[i] < NEAR_TIE, (
@@ -115,6 +116,15 @@ def check_against_reference(result, ref_tokens, ref_gaps, eos, n_tokens=N_TOKENS
                 f"top-2 log-prob gap {ref_gaps[i]:.3g} is not a near-tie"
             )
             return "near_tie"
+    assert len(ours) <= len(ref_tokens)
+    return "identical"
+
+
+def check_against_reference(result, ref_tokens, ref_gaps, eos, n_tokens=N_TOKENS) -> str:
+    """Return "identical" or "near_tie"; fail on any other divergence."""
+    ours = result.tokens
+    if first_divergence(ours, ref_tokens, ref_gaps) == "near_tie":
+        return "near_tie"
     if result.finish_reason == "stop":
         # Stopped on EOS: the reference's next token must be an EOS id.
         assert len(ours) < len(ref_tokens) and ref_tokens[len(ours)] in eos, (
