@@ -18,6 +18,8 @@
 #   bash benchmarks/h200.sh 80b-phases # as 80b, every phase of the batched decoder timed -> h200-80b-phases.json
 #   bash benchmarks/h200.sh 80b-host   # one 80B forward of 1 / 4 / 7 tokens split into Python building it, MLX
 #                                      # encoding it and the device; primitives counted -> h200-80b-host.json
+#   bash benchmarks/h200.sh 80b-graph-ops # 80b-b8's suite (single chains K=3, 4 on the first prompt) in four processes,
+#                                      # MLX's CUDA graphs of 200 kernels / MLX's default (20) / 200 / 20 -> h200-80b-graph-ops-*.json
 #   bash benchmarks/h200.sh 80b-prefill # one 1K-token 80B prefill and its pieces alone (layers, mixers, recurrence,
 #                                      # MoE parts, expert blocks of 8-64 rows) -> h200-80b-prefill.json
 #   bash benchmarks/h200.sh qwen3.5-27b       # Qwen3.5-27B (dense) shapes, random 4-bit weights, 1K context, drafts
@@ -33,7 +35,7 @@ out=${OUT:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH=/root/site:$PWD
 bench="python3 -u -m mtp_engine.bench"
-case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
+case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-graph-ops, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
     timeout "${LIMIT:-480}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
       tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/model/test_dispatch.py tests/mtp_engine/test_batched.py tests/mtp_engine/test_sampling.py \
@@ -69,6 +71,15 @@ case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths,
     esac
     timeout "${LIMIT:-580}" $bench --synthetic 80b --suite dataset --acceptance-profile 0.93,0.82,0.64 \
       --max-tokens 128 --contexts $ctx $args --no-mlx-lm-batch --json "$out/h200-$1.json" 2>&1 | grep -v "^round" ;;
+  80b-graph-ops)
+    # MLX_MAX_OPS_PER_BUFFER is read once per process (at its first GPU evaluation), so each setting is a process
+    # of its own; alternating them puts a drifting host speed on both. ~75 s each once MLX's kernels are compiled.
+    for run in 200:a 20:b 200:c 20:d; do
+      MLX_MAX_OPS_PER_BUFFER=${run%%:*} timeout "${LIMIT:-150}" $bench --synthetic 80b --suite dataset \
+        --acceptance-profile 0.93,0.82,0.64 --max-tokens 128 --contexts 1024 --limit 16 --batch-sizes 8 --draft-tokens 3 \
+        --single-k 3 4 --single-limit 1 --no-mlx-lm-batch --json "$out/h200-80b-graph-ops-${run%%:*}${run#*:}.json" \
+        2>&1 | grep -v "^round" | tail -7
+    done ;;
   80b-prefill)
     timeout "${LIMIT:-200}" $bench --synthetic 80b --suite prefill-cost --contexts 1024 --block-rows 8 16 32 64 \
       --json "$out/h200-80b-prefill.json" ;;

@@ -10,7 +10,8 @@ wherever it is available"; the engine reports what each one ended up as
 
 The environment variables below are the only ones the package reads. Each
 maps onto the default of one field (`EngineOptions.from_env`); nothing else
-reads ``os.environ``. This module imports no MLX (``import mtp_engine`` reads
+reads ``os.environ`` (but `mlx_settings`, which records MLX's own for
+benchmarks). This module imports no MLX (``import mtp_engine`` reads
 ``MTP_CPU_BLAS`` before MLX is imported).
 """
 
@@ -237,6 +238,13 @@ class FastPathStatus:
 def cudnn_attention_on() -> bool:
     """Whether MLX's CUDA backend uses cuDNN attention (its own default: on)."""
     return os.environ.get(CUDNN_ATTENTION, "1") != "0"
+
+
+def mlx_settings() -> dict[str, str]:
+    """MLX's own environment settings (``MLX_*``) of this process, for a
+    benchmark's record: some (``MLX_MAX_OPS_PER_BUFFER``, the CUDA graph
+    size) move host time per forward on CUDA."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")}
 
 
 def apply_process_settings(options: EngineOptions) -> None:

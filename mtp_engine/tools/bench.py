@@ -34,7 +34,7 @@ from mtp_engine.kernels import cpu_blas
 from mtp_engine.model.compiled import CompiledDecoderLayer
 from mtp_engine.model.gated_delta import recurrence_path
 from mtp_engine.model.rowwise import RowwiseLinear
-from mtp_engine.options import EngineOptions
+from mtp_engine.options import EngineOptions, mlx_settings
 from mtp_engine.tools.dataset_bench import (
     dataset_suite,
     print_dataset_table,
@@ -137,6 +137,8 @@ def machine_info() -> dict:
         "device": str(mx.default_device()),
         "mlx": mx.__version__,
     }
+    if settings := mlx_settings():
+        info["mlx_environment"] = settings
     if mx.default_device() == mx.cpu:
         info["blas"] = cpu_blas.active()
         if (rows := cpu_blas.few_rows()) is not None:

@@ -178,14 +178,19 @@ def test_projected_drafts_keep_the_output_and_follow_the_profile(models):
         results.update(decoder.step())
     for i, (ref, gaps) in enumerate(greedy):
         first_divergence(results[i].tokens, ref, gaps)
-    steps = sum(r.stats.steps for r in results.values())
-    histogram = [sum(r.stats.histogram[n] for r in results.values()) for n in range(4)]
+    # Acceptance over the rows that follow their reference: past a near-tie
+    # divergence (CUDA) the projected drafts follow a continuation the row
+    # no longer has. On the CPU every row does.
+    exact = [results[i] for i, ref in enumerate(refs) if results[i].tokens == ref]
+    assert len(exact) >= len(refs) - 2
+    steps = sum(r.stats.steps for r in exact)
+    histogram = [sum(r.stats.histogram[n] for r in exact) for n in range(4)]
     # P(accepted >= n) = 0.9, 0.8, 0.6 (steps near a budget's end draft less).
     assert 0.85 < sum(histogram[1:]) / steps < 0.95 and 0.5 < histogram[3] / steps < 0.7
     single = engine.generate(prompts[0], max_tokens=40, mode="chain", draft_tokens=3,
                              projection=ProjectedDrafts(profile, refs[0], vocab, seed=0))
     first_divergence(single.tokens, *greedy[0])
-    assert single.stats.acceptance_length > 2
+    assert single.stats.acceptance_length > 2 or single.tokens != refs[0]
     with pytest.raises(ValueError, match="non-increasing"):
         parse_profile("0.5,0.9")
 

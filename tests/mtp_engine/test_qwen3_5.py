@@ -141,7 +141,7 @@ def test_exact_sampler_equals_plain_sampling_of_mlx_lm(name, loaded):
         reference = plain.sample(ids, params, 40)
         for mode, kw in [("chain", dict(draft_tokens=3)), ("tree", dict(draft_tokens=3))]:
             result = engine.generate(ids, mode=mode, max_tokens=40, seed=500 + i, **setting, **kw)
-            assert_same_or_near_tie(f"{name} {mode} prompt {i}", result.tokens, reference)
+            assert_same_or_near_tie(f"{name} {mode} prompt {i}", result.tokens, reference, params)
         rows.append((i, ids, params, reference))
     decoder = BatchedDecoder(engine, 3, "chain", 2)
     for i, ids, params, _ in rows:
@@ -149,8 +149,8 @@ def test_exact_sampler_equals_plain_sampling_of_mlx_lm(name, loaded):
     results = {}
     while decoder.pending:
         results.update(decoder.step())
-    for i, _, _, reference in rows:
-        assert_same_or_near_tie(f"{name} batched row {i}", results[i].tokens, reference)
+    for i, _, params, reference in rows:
+        assert_same_or_near_tie(f"{name} batched row {i}", results[i].tokens, reference, params)
 
 
 def test_engine_layers_cover_qwen35_gated_delta(loaded):

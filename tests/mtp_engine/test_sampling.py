@@ -4,8 +4,11 @@
   K and batch composition, emits the tokens plain sampling emits for the
   seed, token for token. Plain sampling is computed here from mlx-lm's own
   model (`mlx_lm.load`, one token per forward) and the sampler's definition
-  (`choose`). A divergence is allowed only on a numerical near-tie of the
-  perturbed scores at that position.
+  (`choose`). A divergence is allowed only on a numerical near-tie at that
+  position: of the two best perturbed scores, or of a filter's decision on
+  either token (a log-probability at the min-p or top-k cut, a mass at the
+  top-p cut), where a rounding difference moves a token in or out of the
+  support.
 - Its marginal is ``softmax(filtered_logits / T)``: chi-square over
   thousands of deterministic seeds, fixed threshold.
 - The rejection sampler is lossless in distribution: the joint distribution
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass
 
 import mlx.core as mx
 import pytest
@@ -82,6 +86,16 @@ def chi2(observed: Counter, expected: dict, n: int) -> tuple[float, int]:
     return stat, df
 
 
+@dataclass
+class Reference:
+    """Plain sampling's tokens and, per position, the gap between the two
+    best perturbed scores (greedy: log-probabilities) and the logits."""
+
+    tokens: list[int]
+    gaps: list[float]
+    logits: list[mx.array]
+
+
 class PlainSampler:
     """Plain sampling from mlx-lm's model of a folder, one token per forward."""
 
@@ -91,12 +105,11 @@ class PlainSampler:
         self.model, self.tokenizer = load(str(path))
         self.eos = set(self.tokenizer.eos_token_ids)
 
-    def sample(self, ids: list[int], params: SamplingParams, n: int) -> tuple[list[int], list[float]]:
-        """``n`` tokens and, per position, the gap between the two best
-        perturbed scores (greedy: log-probabilities)."""
+    def sample(self, ids: list[int], params: SamplingParams, n: int) -> Reference:
+        """``n`` tokens of plain sampling with their scores' gaps."""
         cache = make_prompt_cache(self.model)
         logits = self.model(mx.array(ids)[None], cache=cache)[:, -1:, :]
-        tokens, gaps = [], []
+        out = Reference([], [], [])
         for t in range(n):
             token = int(choose(logits, [params], mx.array([[t]]))[0, 0].item())
             if params.greedy:
@@ -105,13 +118,41 @@ class PlainSampler:
                 score = (scaled_logprobs(logits, [params]) + gumbel([params.seed], mx.array([[t]]),
                                                                     logits.shape[-1]))[0, 0]
             top2 = mx.sort(score)[-2:]
-            tokens.append(token)
-            gaps.append(float(top2[1] - top2[0]))
+            out.tokens.append(token)
+            out.gaps.append(float(top2[1] - top2[0]))
+            out.logits.append(logits[0, 0])
             logits = self.model(mx.array([[token]]), cache=cache)[:, -1:, :]
-        return tokens, gaps
+        return out
 
     def last_logits(self, ids: list[int]) -> mx.array:
         return self.model(mx.array(ids)[None])[:, -1:, :]
+
+
+def filter_margin(logits: mx.array, params: SamplingParams, token: int) -> float:
+    """How near ``token``'s membership of the filtered support is to
+    flipping: the least distance of a filter's deciding quantity from its
+    cut (log-probabilities for min-p and top-k, probability mass for top-p,
+    as `mlx_lm.sample_utils` decides them). Infinite with no filter (and
+    for greedy decoding, which filters nothing)."""
+    if params.greedy:
+        return math.inf
+    lp = logits.astype(mx.float32)
+    lp = lp - mx.logsumexp(lp)
+    own = float(lp[token])
+    margins = [math.inf]
+    if params.min_p > 0:
+        margins.append(abs(own - (float(lp.max()) + math.log(params.min_p))))
+    if 0 < params.top_k < lp.shape[-1]:
+        ordered = mx.sort(lp)[::-1]  # likeliest first
+        kept = own >= float(ordered[params.top_k - 1])
+        margins.append(own - float(ordered[params.top_k]) if kept else float(ordered[params.top_k - 1]) - own)
+    if params.top_p < 1:
+        order = mx.argsort(lp)  # ascending, as apply_top_p sorts
+        probs = mx.exp(lp[order])
+        mass_above = mx.cumsum(probs, reverse=True, inclusive=False)
+        at = int(mx.argmax(order == token))
+        margins.append(abs(float(mass_above[at]) - params.top_p * float(mass_above[0] + probs[0])))
+    return min(margins)
 
 
 @pytest.fixture(scope="module", params=sorted(HELD_OUT))
@@ -125,14 +166,16 @@ def spread_prompt(engine: MTPEngine, name: str) -> list[int]:
     return engine.encode(PROMPTS[HELD_OUT[name][2]])
 
 
-def assert_same_or_near_tie(name: str, got: list[int], reference: tuple[list[int], list[float]]) -> None:
-    tokens, gaps = reference
-    want = tokens[: len(got)]
+def assert_same_or_near_tie(name: str, got: list[int], reference: Reference, params: SamplingParams) -> None:
+    want = reference.tokens[: len(got)]
     if got == want:
         return
     i = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
-    assert gaps[i] < NEAR_TIE, (f"{name}: first divergence at token {i} ({got[i]} vs {want[i]}) is not a near-tie "
-                                f"(gap {gaps[i]:.2e})")
+    gap = reference.gaps[i]
+    margin = min(filter_margin(reference.logits[i], params, t) for t in (got[i], want[i]))
+    assert min(gap, margin) < NEAR_TIE, (
+        f"{name}: first divergence at token {i} ({got[i]} vs {want[i]}) is not a near-tie "
+        f"(gap {gap:.2e}, filter margin {margin:.2e})")
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=["T0.8-top_p0.9", "T1.0-top_k20-min_p0.05"])
@@ -148,7 +191,8 @@ def test_exact_sampler_every_mode_equals_plain_sampling(held_out, setting):
         for mode, kw in modes:
             result = engine.generate(ids, mode=mode, max_tokens=N_TOKENS, seed=seed, **setting, **kw)
             assert result.stats.seed == seed
-            assert_same_or_near_tie(f"{name} {mode} prompt {i}", result.tokens, reference)
+            assert_same_or_near_tie(f"{name} {mode} prompt {i}", result.tokens, reference,
+                                    SamplingParams(seed=seed, **setting))
 
 
 @pytest.mark.parametrize("batch_size,k", [(1, 2), (3, 0), (3, 4), (8, 2)])
@@ -169,7 +213,7 @@ def test_exact_sampler_batched_equals_plain_sampling_whatever_the_batch(held_out
         results.update(decoder.step())
     for i, ids, params, budget in rows:
         reference = plain.sample(ids, params, budget)
-        assert_same_or_near_tie(f"{name} B={batch_size} K={k} row {i}", results[i].tokens, reference)
+        assert_same_or_near_tie(f"{name} B={batch_size} K={k} row {i}", results[i].tokens, reference, params)
 
 
 def test_auto_drafter_gives_way_to_the_mlx_head_for_the_first_sampled_row(held_out):
@@ -191,7 +235,8 @@ def test_auto_drafter_gives_way_to_the_mlx_head_for_the_first_sampled_row(held_o
     assert drafters[0] == ("cpp", [0, 1])  # the sampled rows wait for the greedy ones
     assert drafters[-1][0] == "mlx" and all(keys == [] or min(keys) >= 2 for d, keys in drafters if d == "mlx")
     for i, ids, params, budget in rows:
-        assert_same_or_near_tie(f"{name} auto drafter row {i}", results[i].tokens, plain.sample(ids, params, budget))
+        assert_same_or_near_tie(f"{name} auto drafter row {i}", results[i].tokens, plain.sample(ids, params, budget),
+                                params)
 
 
 def test_n_samples_share_a_prefill_and_equal_single_generations(held_out):
@@ -291,6 +336,24 @@ def test_rejection_sampler_batched_tokens_equal_one_sequence(held_out):
         single = engine.generate(ids, seed=seed, temperature=0.9, max_tokens=budget, mode="chain", draft_tokens=3,
                                  sampler="rejection")
         assert result.tokens == single.tokens
+
+
+def test_filter_margins_find_the_tokens_at_a_cut():
+    """The near-tie rule's filter margins: small exactly for a token whose
+    membership of the filtered support a rounding could flip."""
+    logits = mx.log(mx.array([0.5, 0.30001, 0.149, 0.025001, 0.02, 0.005989]))  # sums to 1
+    kept = lambda params: mx.isfinite(filtered_logprobs(logits, params)).tolist()  # noqa: E731
+    min_p = SamplingParams(1.0, min_p=0.05)  # cut at 0.05 x 0.5: token 3 just inside, 4 well outside
+    assert kept(min_p) == [True, True, True, True, False, False]
+    assert filter_margin(logits, min_p, 3) < 1e-3 and filter_margin(logits, min_p, 0) > 1
+    top_k = SamplingParams(1.0, top_k=3)  # token 2 is the last kept, token 3 the first dropped
+    assert filter_margin(logits, top_k, 2) > 1 and filter_margin(logits, top_k, 3) > 1
+    close = mx.log(mx.array([0.5, 0.3, 0.1, 0.1 - 1e-6]))
+    assert filter_margin(close, top_k, 2) < 1e-3 and filter_margin(close, top_k, 3) < 1e-3
+    top_p = SamplingParams(1.0, top_p=0.8)  # the mass above token 2 (0.80001) just reaches 0.8: on the cut
+    assert kept(top_p)[:3] == [True, True, False]
+    assert filter_margin(logits, top_p, 2) < 1e-3 and filter_margin(logits, top_p, 1) > 0.1
+    assert filter_margin(logits, SamplingParams(1.0), 3) == math.inf
 
 
 def test_bad_sampling_values_are_named():

@@ -9,7 +9,7 @@ import pytest
 
 from mtp_engine import MTPEngine
 from mtp_engine.kernels import cpu_recurrence
-from mtp_engine.tools.bench import cost_model, main
+from mtp_engine.tools.bench import cost_model, machine_info, main
 from mtp_engine.tools.host_cost import host_cost_suite
 from mtp_engine.tools.prefill_cost import prefill_cost_suite
 
@@ -38,6 +38,17 @@ def test_bench_report(tmp_path, tiny_path):
     # Which code ran the recurrence is part of the report (float32 on the CPU:
     # the primitive where `make install` built it, else mlx-lm's ops).
     assert report["recurrence"] == ("cpu primitive" if cpu_recurrence.availability() is None else "mlx-lm ops")
+
+
+def test_machine_record_names_mlx_settings(monkeypatch):
+    """MLX's own settings of the process travel with every figure (some,
+    as the CUDA graph size, move host time per forward)."""
+    monkeypatch.delenv("MLX_MAX_OPS_PER_BUFFER", raising=False)
+    assert "MLX_MAX_OPS_PER_BUFFER" not in machine_info().get("mlx_environment", {})
+    monkeypatch.setenv("MLX_MAX_OPS_PER_BUFFER", "200")
+    monkeypatch.setenv("MLXNOT_A_SETTING", "1")
+    settings = machine_info()["mlx_environment"]
+    assert settings["MLX_MAX_OPS_PER_BUFFER"] == "200" and "MLXNOT_A_SETTING" not in settings
 
 
 def test_bench_eager_layers_give_the_same_tokens(tmp_path, tiny_path):
