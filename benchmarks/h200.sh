@@ -17,7 +17,8 @@
 #   bash benchmarks/h200.sh 80b-8k     # as 80b-b8 with 8K-token prompts, 8 of them, phases timed -> h200-80b-8k.json
 #   bash benchmarks/h200.sh 80b-phases # as 80b, every phase of the batched decoder timed -> h200-80b-phases.json
 #   bash benchmarks/h200.sh 80b-host   # one 80B forward of 1 / 4 / 7 tokens split into Python building it, MLX
-#                                      # encoding it and the device; primitives counted -> h200-80b-host.json
+#                                      # encoding it and the device; primitives counted; the same for each
+#                                      # decoder layer kind and the MLP alone -> h200-80b-host.json
 #   bash benchmarks/h200.sh 80b-graph-ops # 80b-b8's suite (single chains K=3, 4 on the first prompt) in four processes,
 #                                      # MLX's CUDA graphs of 200 kernels / MLX's default (20) / 200 / 20 -> h200-80b-graph-ops-*.json
 #   bash benchmarks/h200.sh 80b-prefill # one 1K-token 80B prefill and its pieces alone (layers, mixers, recurrence,

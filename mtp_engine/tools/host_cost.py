@@ -15,7 +15,11 @@ this suite times the three apart, over one prompt's caches:
 - **commit** (verify widths): the caches taking one accepted token.
 
 It also counts the forward's primitives by type (from ``mx.export_to_dot``),
-since on a host-bound backend their number is the cost. Run it with
+since on a host-bound backend their number is the cost, and splits the
+same way each kind of piece alone at each width (``pieces``: one
+gated-delta decoder layer, one attention decoder layer, each with its MLP,
+and the MLP alone), so a cost that grows with the width can be placed; the
+layer counts turn them into a forward's share. Run it with
 ``--fast-path layer_dispatch=off``: dispatched layers hand their work over
 while the graph is built, which folds the encoding into "build".
 """
@@ -114,10 +118,62 @@ def host_cost_suite(engine, prompt: list[int], widths: list[int], repeats: int =
             "primitives_by_type": dict(counts.most_common()),
             "commit_primitives": sum(commit_counts.values()) if width > 1 else None,
         })
-    dispatched = any(isinstance(layer, DispatchedLayer) for layer in engine.model.model.layers)
+    layers = engine.model.model.layers
+    dispatched = any(isinstance(layer, DispatchedLayer) for layer in layers)
     return {"settings": {"prompt_tokens": len(prompt), "widths": widths, "repeats": repeats,
                          "statistic": "median of the repeats after the first", "layer_dispatch": dispatched},
-            "forwards": rows}
+            "layers": {"gated_delta": sum(layer.is_linear for layer in layers),
+                       "attention": sum(not layer.is_linear for layer in layers)},
+            "forwards": rows,
+            "pieces": [_piece_costs(engine, caches, width, repeats) for width in widths]}
+
+
+def _piece_costs(engine, caches: list, width: int, repeats: int) -> dict:
+    """Each kind of piece of a forward of ``width`` tokens alone, split as
+    `host_cost_suite` splits a forward (median ms, primitives), over the
+    prompt's caches (which each call advances, as decoding steps do)."""
+    layers = engine.model.model.layers
+    dim = engine.model.model.embed_tokens.weight.shape[-1]
+    dtype = engine.model.model.embed_tokens.weight.dtype
+    h = (0.1 * mx.random.normal((1, width, dim), key=mx.random.key(width))).astype(dtype)
+    mx.eval(h)
+    pieces = {}
+    for kind, is_linear in (("gated_delta_layer", True), ("attention_layer", False)):
+        i = next((i for i, layer in enumerate(layers) if layer.is_linear == is_linear), None)
+        if i is None:
+            continue
+        layer, cache = layers[i], caches[i]
+        mask = "causal" if width > 1 and not is_linear else None  # gated-delta layers: no padding mask
+
+        def build(layer=layer, cache=cache, mask=mask):
+            if width > 1 and isinstance(cache, StateCaptureCache):
+                cache.begin_capture()
+            return layer(h, mask, cache)
+
+        pieces[kind] = _split(build, lambda cache=cache: [a for a in cache.state if isinstance(a, mx.array)],
+                              repeats)
+    pieces["mlp"] = _split(lambda: layers[0].mlp(h), lambda: [], repeats)
+    return {"width": width, **pieces}
+
+
+def _split(build, states, repeats: int) -> dict:
+    """Median build / async_eval / device ms of ``build()`` (and the arrays
+    ``states()`` gives after it), and its primitives."""
+    laps = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        out = build()
+        t1 = time.perf_counter()
+        held = states()
+        if not i:
+            counts = primitive_counts(out, *held)
+        mx.async_eval(out, held)
+        t2 = time.perf_counter()
+        mx.eval(out, held)
+        laps.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+    build_ms, async_ms, device_ms = (round(1000 * statistics.median(lap[j] for lap in laps[1:]), 3) for j in range(3))
+    return {"build_ms": build_ms, "async_eval_ms": async_ms, "device_ms": device_ms,
+            "primitives": sum(counts.values()), "primitives_by_type": dict(counts.most_common())}
 
 
 def print_host_cost_table(report: dict, log) -> None:
@@ -128,3 +184,12 @@ def print_host_cost_table(report: dict, log) -> None:
             f"{r['primitives']:>12}")
         top = list(r["primitives_by_type"].items())[:8]
         log("       " + ", ".join(f"{name} {n}" for name, n in top))
+    layers = report["layers"]
+    log(f"pieces alone ({layers['gated_delta']} gated-delta and {layers['attention']} attention layers a forward; "
+        "each layer includes its MLP):")
+    log(f"{'width':>6}  {'piece':<19}{'build ms':>10}{'async_eval ms':>15}{'device ms':>11}{'primitives':>12}")
+    for row in report["pieces"]:
+        for name, r in row.items():
+            if name != "width":
+                log(f"{row['width']:>6}  {name:<19}{r['build_ms']:>10.3f}{r['async_eval_ms']:>15.3f}"
+                    f"{r['device_ms']:>11.3f}{r['primitives']:>12}")

@@ -148,6 +148,18 @@ def test_host_cost_suite_splits_each_forward(tmp_path, tiny_path):
     assert verify["primitives"] >= plain["primitives"]
     assert plain["commit_ms"] is None and plain["commit_primitives"] is None
     assert verify["commit_ms"] >= 0 and verify["commit_primitives"] > 0
+    # Each kind of decoder layer alone at each width: its layers account
+    # for the forward but its ends (embedding, final norm, LM head, choice).
+    layers = run["layers"]
+    assert layers["gated_delta"] > 0 and layers["attention"] > 0
+    for forward, pieces in zip(run["forwards"], run["pieces"]):
+        assert pieces["width"] == forward["width"]
+        for name in ("gated_delta_layer", "attention_layer", "mlp"):
+            assert pieces[name]["primitives"] == sum(pieces[name]["primitives_by_type"].values()) > 0
+            assert min(pieces[name]["build_ms"], pieces[name]["async_eval_ms"], pieces[name]["device_ms"]) >= 0
+        in_layers = (layers["gated_delta"] * pieces["gated_delta_layer"]["primitives"]
+                     + layers["attention"] * pieces["attention_layer"]["primitives"])
+        assert 0 < forward["primitives"] - in_layers < 60, (forward["primitives"], in_layers)
 
 
 def test_host_cost_suite_refuses_bad_widths(tiny_path):
