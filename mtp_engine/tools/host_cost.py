@@ -89,35 +89,9 @@ def host_cost_suite(engine, prompt: list[int], widths: list[int], repeats: int =
     engine.prefill(prompt, caches, keep_hidden=False)
     rows = []
     for width in widths:
-        laps = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            out = _forward(engine, caches, width)
-            t1 = time.perf_counter()
-            states = _states(caches)
-            if not laps:
-                counts = primitive_counts(out, *states)
-            mx.async_eval(out, states)
-            t2 = time.perf_counter()
-            mx.eval(out, states)
-            t3 = time.perf_counter()
-            if width > 1:
-                commit_verified_prefix(caches, width, 1)
-                if not laps:
-                    commit_counts = primitive_counts(*_states(caches))
-                mx.eval(_states(caches))
-            laps.append((t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3))
-        medians = [round(1000 * statistics.median(lap[j] for lap in laps[1:]), 3) for j in range(4)]
-        rows.append({
-            "width": width,
-            "build_ms": medians[0],
-            "async_eval_ms": medians[1],
-            "device_ms": medians[2],
-            "commit_ms": medians[3] if width > 1 else None,
-            "primitives": sum(counts.values()),
-            "primitives_by_type": dict(counts.most_common()),
-            "commit_primitives": sum(commit_counts.values()) if width > 1 else None,
-        })
+        commit = (lambda width=width: commit_verified_prefix(caches, width, 1)) if width > 1 else None
+        rows.append({"width": width, **_split(lambda width=width: _forward(engine, caches, width),
+                                              lambda: _states(caches), repeats, commit)})
     layers = engine.model.model.layers
     dispatched = any(isinstance(layer, DispatchedLayer) for layer in layers)
     return {"settings": {"prompt_tokens": len(prompt), "widths": widths, "repeats": repeats,
@@ -150,15 +124,16 @@ def _piece_costs(engine, caches: list, width: int, repeats: int) -> dict:
                 cache.begin_capture()
             return layer(h, mask, cache)
 
-        pieces[kind] = _split(build, lambda cache=cache: [a for a in cache.state if isinstance(a, mx.array)],
-                              repeats)
-    pieces["mlp"] = _split(lambda: layers[0].mlp(h), lambda: [], repeats)
+        pieces[kind] = _split(build, lambda cache=cache: _states([cache]), repeats)
+    pieces["mlp"] = _split(lambda: layers[0].mlp(h), list, repeats)
     return {"width": width, **pieces}
 
 
-def _split(build, states, repeats: int) -> dict:
+def _split(build, states, repeats: int, commit=None) -> dict:
     """Median build / async_eval / device ms of ``build()`` (and the arrays
-    ``states()`` gives after it), and its primitives."""
+    ``states()`` gives after it), and its primitives; with ``commit``, also
+    the time and primitives of ``commit()`` evaluated after each repeat
+    (else None). The first repeat is a warm-up."""
     laps = []
     for i in range(repeats):
         t0 = time.perf_counter()
@@ -170,10 +145,19 @@ def _split(build, states, repeats: int) -> dict:
         mx.async_eval(out, held)
         t2 = time.perf_counter()
         mx.eval(out, held)
-        laps.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
-    build_ms, async_ms, device_ms = (round(1000 * statistics.median(lap[j] for lap in laps[1:]), 3) for j in range(3))
+        t3 = time.perf_counter()
+        if commit is not None:
+            commit()
+            if not i:
+                commit_counts = primitive_counts(*states())
+            mx.eval(states())
+        laps.append((t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3))
+    build_ms, async_ms, device_ms, commit_ms = (round(1000 * statistics.median(lap[j] for lap in laps[1:]), 3)
+                                                for j in range(4))
     return {"build_ms": build_ms, "async_eval_ms": async_ms, "device_ms": device_ms,
-            "primitives": sum(counts.values()), "primitives_by_type": dict(counts.most_common())}
+            "commit_ms": commit_ms if commit is not None else None,
+            "primitives": sum(counts.values()), "primitives_by_type": dict(counts.most_common()),
+            "commit_primitives": sum(commit_counts.values()) if commit is not None else None}
 
 
 def print_host_cost_table(report: dict, log) -> None:
