@@ -37,12 +37,13 @@ from mtp_engine.model.mtp_head import (
     gated_attention_output,
     mlp_residual,
 )
+from mtp_engine.model.rope import is_plain_rope
 
 
 def can_compile_head(head: MTPHead) -> bool:
     """Whether `CompiledHead` can run this head: RoPE must take its position
     as an array (mlx's ``nn.RoPE`` does; scaled variants may not)."""
-    return all(type(layer.self_attn.rope) is nn.RoPE for layer in head.layers)
+    return all(is_plain_rope(layer.self_attn.rope) for layer in head.layers)
 
 
 def _layer_output(layer: nn.Module, x: mx.array, attended: mx.array, gate: mx.array) -> mx.array:

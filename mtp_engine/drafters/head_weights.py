@@ -8,6 +8,7 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
 
 from mtp_engine.model.mtp_head import MTPHead
+from mtp_engine.model.rope import is_plain_rope
 
 FLOATS = (mx.float32, mx.bfloat16, mx.float16)
 
@@ -49,7 +50,7 @@ def head_weights(
     }
     first = head.layers[0]
     attn = first.self_attn
-    if not isinstance(attn, Qwen3NextAttention) or type(attn.rope) is not nn.RoPE or attn.rope.traditional:
+    if not isinstance(attn, Qwen3NextAttention) or not is_plain_rope(attn.rope) or attn.rope.traditional:
         raise UnsupportedHead("its attention is not Qwen3-Next's with mlx's plain RoPE")
     if not all(isinstance(layer.mlp, Qwen3NextSparseMoeBlock) for layer in head.layers):
         raise UnsupportedHead("its layers use a dense MLP, not the MoE block")

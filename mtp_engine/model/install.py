@@ -25,6 +25,7 @@ from mtp_engine.model.moe import (
     install_moe_blocks,
 )
 from mtp_engine.model.quantized import install_flat_quantized
+from mtp_engine.model.rope import install_batch_rope
 from mtp_engine.model.rowwise import install_rowwise_linears
 from mtp_engine.options import (
     GPU_MOE_GROUP_MIN,
@@ -82,6 +83,8 @@ def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOpti
     on_cpu = mx.default_device() == mx.cpu
     on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
     statuses = []
+    if on_cuda:  # not a fast path: without it a batch of more than 64 rows can fail to launch
+        install_batch_rope(model, head)
 
     act = decide("cpu_activations", options.cpu_activations, True, cpu_activations.availability() if on_cpu
                  else "not MLX's CPU backend", "SiLU, sigmoid, softmax vectorized")

@@ -179,14 +179,18 @@ def test_projected_drafts_keep_the_output_and_follow_the_profile(models):
     for i, (ref, gaps) in enumerate(greedy):
         first_divergence(results[i].tokens, ref, gaps)
     # Acceptance over the rows that follow their reference: past a near-tie
-    # divergence (CUDA) the projected drafts follow a continuation the row
-    # no longer has. On the CPU every row does.
+    # divergence the projected drafts follow a continuation the row no longer
+    # has. On the CPU every row does; on the H200 4 of these 12 rows diverged
+    # (each on a near-tie: first_divergence above).
     exact = [results[i] for i, ref in enumerate(refs) if results[i].tokens == ref]
-    assert len(exact) >= len(refs) - 2
+    assert len(exact) >= (len(refs) // 2 if mx.default_device() == mx.gpu else len(refs) - 2)
     steps = sum(r.stats.steps for r in exact)
     histogram = [sum(r.stats.histogram[n] for r in exact) for n in range(4)]
-    # P(accepted >= n) = 0.9, 0.8, 0.6 (steps near a budget's end draft less).
-    assert 0.85 < sum(histogram[1:]) / steps < 0.95 and 0.5 < histogram[3] / steps < 0.7
+    # P(accepted >= n) = 0.9, 0.8, 0.6 (steps near a budget's end draft less),
+    # within 3 standard deviations of that many steps (at least 0.05 and 0.1).
+    some, all3 = sum(histogram[1:]) / steps, histogram[3] / steps
+    assert abs(some - 0.9) < max(0.05, 3 * (0.09 / steps) ** 0.5), (some, steps)
+    assert abs(all3 - 0.6) < max(0.1, 3 * (0.24 / steps) ** 0.5), (all3, steps)
     single = engine.generate(prompts[0], max_tokens=40, mode="chain", draft_tokens=3,
                              projection=ProjectedDrafts(profile, refs[0], vocab, seed=0))
     first_divergence(single.tokens, *greedy[0])
