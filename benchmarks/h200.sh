@@ -16,6 +16,8 @@
 #   bash benchmarks/h200.sh 80b-depths # K=3..8 (one call each) -> h200-80b.json, h200-80b-b8.json, h200-80b-depths.json
 #   bash benchmarks/h200.sh 80b-8k     # as 80b-b8 with 8K-token prompts, 8 of them, phases timed -> h200-80b-8k.json
 #   bash benchmarks/h200.sh 80b-phases # as 80b, every phase of the batched decoder timed -> h200-80b-phases.json
+#   bash benchmarks/h200.sh 80b-ahead  # 32 prompts at B=8 and B=32, K=3, each batched run without and with the next 2
+#                                      # queued prompts prefilled on a second stream, side by side -> h200-80b-ahead.json
 #   bash benchmarks/h200.sh 80b-host   # one 80B forward of 1 / 4 / 7 tokens split into Python building it, MLX
 #                                      # encoding it and the device; primitives counted; the same for each
 #                                      # decoder layer kind and the MLP alone -> h200-80b-host.json
@@ -36,7 +38,7 @@ out=${OUT:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH=/root/site:$PWD
 bench="python3 -u -m mtp_engine.bench"
-case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-graph-ops, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
+case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-ahead, 80b-host, 80b-graph-ops, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
     timeout "${LIMIT:-480}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
       tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/model/test_dispatch.py tests/mtp_engine/test_batched.py tests/mtp_engine/test_sampling.py \
@@ -57,7 +59,7 @@ case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths,
   lossless)
     timeout "${LIMIT:-200}" python3 -u -m mtp_engine.lossless --limit 8 --max-tokens 64 \
       --json "$out/h200-lossless.json" 2>&1 | tail -20 ;;
-  80b|80b-b8|80b-depths|80b-phases|80b-8k)
+  80b|80b-b8|80b-depths|80b-phases|80b-8k|80b-ahead)
     # The issue's target settings: prompts of 1K tokens x 128 new tokens, drafts projected at profile
     # 0.93,0.82,0.64. 80b: 32 prompts at B=32, K=2 and 3 (~180 s); 80b-b8: 16 prompts at B=8 (~110 s); one-at-a-time
     # decoding on the first prompt, the rest of the reference from plain batching. 80b-depths: single-sequence
@@ -69,6 +71,7 @@ case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths,
       80b-b8) args="--limit 16 --batch-sizes 8 --draft-tokens 3 --single-k 3 --single-limit 1" ;;
       80b-depths) args="--limit 1 --batch-sizes --single-k 3 4 6 8 --single-rounds 3" ;;
       80b-phases) args="--limit 32 --batch-sizes 32 --draft-tokens 3 --single-k 3 --single-limit 1 --phase-times" ;;
+      80b-ahead) args="--limit 32 --batch-sizes 8 32 --draft-tokens 3 --single-k 3 --single-limit 1 --prefill-ahead 0 2" ;;
     esac
     timeout "${LIMIT:-580}" $bench --synthetic 80b --suite dataset --acceptance-profile 0.93,0.82,0.64 \
       --max-tokens 128 --contexts $ctx $args --no-mlx-lm-batch --json "$out/h200-$1.json" 2>&1 | grep -v "^round" ;;

@@ -79,6 +79,7 @@ class _Queued:
     stop: list[str]
     projection: ProjectedDrafts | None
     samples: list[SamplingParams] | None  # None: one row, greedy; else one row per sample
+    prefilled: tuple | None = None  # (caches, hidden, logits) dispatched ahead of its turn, or None
 
     @property
     def params(self) -> list[SamplingParams]:
@@ -104,19 +105,29 @@ class BatchedDecoder:
             evaluates and synchronizes after every phase, so work that
             would overlap runs in turn: for finding where time goes, not
             for throughput.
+        prefill_ahead: Each step first dispatches the prefill of the next
+            N queued prompts on a stream of its own (`MTPEngine.prefill`),
+            so a device that decoding leaves idle (host-bound steps)
+            prefills while the batch drafts and verifies; a joining row
+            then finds its caches ready. 0 (the default): each prompt
+            prefills when it joins. The same computations either way, so
+            the same tokens. Off while phases are timed.
 
     Use `add` to queue prompts and call `step` until `pending` is 0; each
     step returns the ``(key, result)`` pairs that finished.
     """
 
     def __init__(self, engine, batch_size: int = 8, mode: str = "chain", draft_tokens: int = 3,
-                 drafter="auto", label: str | None = None, phase_seconds: dict | None = None):
+                 drafter="auto", label: str | None = None, phase_seconds: dict | None = None,
+                 prefill_ahead: int = 0):
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
         if mode not in BATCH_MODES:
             raise ValueError(f"batched decoding runs modes {', '.join(BATCH_MODES)}, got {mode!r}")
         if mode == "chain" and (not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= MAX_DRAFT_TOKENS):
             raise ValueError(f"draft_tokens must be an int in 1..{MAX_DRAFT_TOKENS}, got {draft_tokens!r}")
+        if not isinstance(prefill_ahead, int) or isinstance(prefill_ahead, bool) or prefill_ahead < 0:
+            raise ValueError(f"prefill_ahead must be an int >= 0, got {prefill_ahead!r}")
         self.engine = engine
         self.batch_size = batch_size
         self.mode = mode
@@ -133,6 +144,9 @@ class BatchedDecoder:
         self.single_keys: set = set()  # keys added with one SamplingParams (not a list): results keyed as given
         self.phase_seconds = phase_seconds
         self._lap_start = 0.0
+        # Timed phases run in turn, so nothing is prefilled ahead of them.
+        self.prefill_ahead = 0 if phase_seconds is not None else prefill_ahead
+        self._prefill_stream = mx.new_stream(mx.default_device()) if self.prefill_ahead else None
 
     def _make_drafter(self, choice):
         if not isinstance(choice, str):
@@ -200,6 +214,7 @@ class BatchedDecoder:
         finished = self._admit()
         if not self.rows:
             return finished
+        self._dispatch_prefills()
         depth = min(self.k, max(r.finisher.remaining for r in self.rows) - 1)
         self._lap(None)
         t0 = time.perf_counter()
@@ -305,6 +320,17 @@ class BatchedDecoder:
             finished += self._join(self.queue.pop(0), [])
         return finished
 
+    def _dispatch_prefills(self) -> None:
+        """Dispatch the prefill of the next `prefill_ahead` queued prompts on
+        a stream of their own, so it runs while this step drafts and
+        verifies; `_join` then finds it done (or waits for it)."""
+        for q in self.queue[: self.prefill_ahead]:
+            if q.prefilled is None:
+                caches = make_main_cache(self.engine.model)
+                hidden, logits = self.engine.prefill(q.prompt, caches, keep_hidden=self.k > 0,
+                                                     stream=self._prefill_stream)
+                q.prefilled = (caches, hidden, logits)
+
     def _may_join(self, q: _Queued) -> bool:
         """Whether ``q`` can join now: a sampled prompt waits for an empty
         batch if "auto" chose the C++ head (greedy only), which then gives
@@ -344,8 +370,12 @@ class BatchedDecoder:
         engine = self.engine
         self._lap(None)
         t0 = time.perf_counter()
-        caches = make_main_cache(engine.model)
-        hidden, logits = engine.prefill(q.prompt, caches, keep_hidden=self.k > 0)
+        if q.prefilled is not None:
+            caches, hidden, logits = q.prefilled
+            q.prefilled = None
+        else:
+            caches = make_main_cache(engine.model)
+            hidden, logits = engine.prefill(q.prompt, caches, keep_hidden=self.k > 0)
         self._lap("prefill")
         prefill_s = (time.perf_counter() - t0) / len(samples)
         firsts = choose(mx.concatenate([logits] * len(samples)), samples,

@@ -14,6 +14,7 @@ accepted pairs for the head.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Iterator
@@ -333,6 +334,7 @@ class MTPEngine:
         min_p: float = 0.0,
         seed: int | list[int | None] | None = None,
         sampler: str = "exact",
+        prefill_ahead: int = 0,
     ) -> Iterator[tuple[int, GenerationResult]]:
         """Decode many prompts with batched speculation (`mtp_engine.batched`),
         yielding ``(index, result)`` as rows finish.
@@ -352,6 +354,10 @@ class MTPEngine:
                 ``i`` then samples with seed ``seed + i``), or None (fresh
                 random seeds). Each prompt's tokens equal `generate`'s with
                 its seed, whatever the batch holds (exact sampler).
+            prefill_ahead: Prefill the next N queued prompts on a second
+                stream while the batch decodes (0: each when it joins).
+                The tokens are the same either way; whether it is faster
+                depends on the backend (docs/BENCHMARKS.md).
 
         Raises:
             ValueError/TypeError: Bad parameters or prompts (checked before
@@ -367,7 +373,7 @@ class MTPEngine:
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         params = [make_sampling(temperature, top_p, top_k, min_p, s, sampler) for s in seeds]
-        decoder = BatchedDecoder(self, batch_size, mode, draft_tokens, drafter)
+        decoder = BatchedDecoder(self, batch_size, mode, draft_tokens, drafter, prefill_ahead=prefill_ahead)
         for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
             decoder.add(i, prompt, max_tokens=budget, stop=stop, sampling=params[i])
         try:
@@ -383,33 +389,41 @@ class MTPEngine:
             results[i] = result
         return results
 
-    def prefill(self, ids: list[int], caches: list, keep_hidden: bool) -> tuple[mx.array | None, mx.array]:
+    def prefill(self, ids: list[int], caches: list, keep_hidden: bool,
+                stream: mx.Stream | None = None) -> tuple[mx.array | None, mx.array]:
         """Feed the prompt as mlx-lm's ``generate_step`` does (chunks of all but
         the last token, then the last token alone).
+
+        Args:
+            stream: Run the prompt on this stream and only dispatch it
+                (``mx.async_eval``): the arrays returned are ready when read,
+                and the caller's own stream is free meanwhile. None: the
+                default stream, evaluated chunk by chunk before returning.
 
         Returns:
             ``(hidden, logits)``: the prompt's final-normed hiddens ``[1, n,
             dim]`` (None unless ``keep_hidden``) and the last position's
-            logits ``[1, 1, vocab]``, evaluated.
+            logits ``[1, 1, vocab]``.
         """
         trunk = self.model.model
-        prompt = mx.array(ids)
-        hiddens = []
-        while prompt.size > 1:
-            n = min(self.prefill_step_size, prompt.size - 1)
-            h = trunk(prompt[:n][None], cache=caches)
-            if keep_hidden:
-                hiddens.append(h)
-                mx.eval(h, [c.state for c in caches])
-            else:
-                mx.eval([c.state for c in caches])
-            prompt = prompt[n:]
-            mx.clear_cache()
-        h = trunk(prompt[None], cache=caches)
-        logits = self.lm_head(h[:, -1:, :])
-        hiddens.append(h)
-        hidden = mx.concatenate(hiddens, axis=1) if keep_hidden else None
-        mx.eval(logits, hidden) if keep_hidden else mx.eval(logits, [c.state for c in caches])
+        run = mx.eval if stream is None else mx.async_eval
+        with mx.stream(stream) if stream is not None else contextlib.nullcontext():
+            prompt = mx.array(ids)
+            hiddens = []
+            while prompt.size > 1:
+                n = min(self.prefill_step_size, prompt.size - 1)
+                h = trunk(prompt[:n][None], cache=caches)
+                if keep_hidden:
+                    hiddens.append(h)
+                run(h if keep_hidden else [], [c.state for c in caches])
+                prompt = prompt[n:]
+                if stream is None:
+                    mx.clear_cache()
+            h = trunk(prompt[None], cache=caches)
+            logits = self.lm_head(h[:, -1:, :])
+            hiddens.append(h)
+            hidden = mx.concatenate(hiddens, axis=1) if keep_hidden else None
+            run(logits, hidden) if keep_hidden else run(logits, [c.state for c in caches])
         return hidden, logits
 
     def _plain(self, x: int, caches: list, finisher: Finisher, stats: GenerationStats,

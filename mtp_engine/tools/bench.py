@@ -547,6 +547,9 @@ def main(argv=None) -> int:
                         "pass each, one mode after another)")
     parser.add_argument("--single-limit", type=int, default=None,
                         help="dataset suite: time one-at-a-time decoding on the first N prompts only (slow models)")
+    parser.add_argument("--prefill-ahead", type=int, nargs="+", default=[0], metavar="N",
+                        help="dataset suite: batched runs prefill the next N queued prompts on a second stream while "
+                        "the batch decodes; several values run side by side (default 0: in turn)")
     parser.add_argument("--phase-times", action="store_true",
                         help="dataset suite: time each phase of batched runs (prefill, head prefill, join, draft, "
                         "verify, head commit, leave), synchronizing after each (slower: for finding where time goes)")

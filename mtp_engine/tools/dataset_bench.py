@@ -51,6 +51,7 @@ class Run:
     identical: int = 0
     outputs: list = field(default_factory=list)
     phase_seconds: dict | None = None
+    prefill_ahead: int = 0  # batched runs: queued prompts prefilled on a second stream
 
     def row(self, plain: "Run | None", profile: str | None) -> dict:
         decode_s = max(self.seconds - self.prefill_seconds, 1e-9)
@@ -70,6 +71,8 @@ class Run:
         }
         if profile and self.draft_tokens:
             out["projected_at_profile"] = profile
+        if self.prefill_ahead:
+            out["prefill_ahead"] = self.prefill_ahead
         if self.phase_seconds is not None:
             out["phase_seconds"] = {k: round(v, 3) for k, v in self.phase_seconds.items()}
         if plain is not None:
@@ -98,14 +101,15 @@ def _projections(engine, n: int, references, profile) -> list:
 
 
 def run_batched(engine, prompts, max_tokens: int | list[int], batch_size, k, references=None, profile=None,
-                phases: bool = False) -> Run:
+                phases: bool = False, prefill_ahead: int = 0) -> Run:
     """The prompt set through `BatchedDecoder` (k = 0: plain batching);
     ``max_tokens`` for every prompt or one per prompt; ``phases``: time
     each phase of the decoder (`mtp_engine.batched.PHASES`), synchronizing
-    after each."""
-    run = Run("batched chain" if k else "plain batching", batch_size, k, phase_seconds={} if phases else None)
+    after each; ``prefill_ahead``: the decoder's."""
+    run = Run("batched chain" if k else "plain batching", batch_size, k, phase_seconds={} if phases else None,
+              prefill_ahead=prefill_ahead)
     decoder = BatchedDecoder(engine, batch_size, "chain" if k else "baseline", k or 3,
-                             phase_seconds=run.phase_seconds)
+                             phase_seconds=run.phase_seconds, prefill_ahead=prefill_ahead)
     projections = _projections(engine, len(prompts), references if k else None, profile)
     for i, ids in enumerate(prompts):
         budget = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
@@ -249,10 +253,13 @@ def dataset_suite(engine, prompts, args, log) -> dict:
     # (on CUDA, a kernel's first use JIT-compiles it). Short prompts: which
     # kernels run does not depend on the context length.
     few = prompts[: min(4, len(prompts))]
+    aheads = getattr(args, "prefill_ahead", None) or [0]
     for b in args.batch_sizes:
         rows = [prompts[i % len(prompts)][-32:] for i in range(b)]
         for k in [0, *args.draft_tokens]:
             run_batched(engine, rows, [2 + i for i in range(b)], b, k)
+        if any(aheads):  # a queue, so rows join from the second stream
+            run_batched(engine, rows + rows[:2], [2 + i for i in range(b + 2)], b, 0, prefill_ahead=max(aheads))
     run_single(engine, few[:1], 4, 0)
     for k in args.single_k:
         run_single(engine, few[:1], 4, k)
@@ -309,12 +316,15 @@ def dataset_suite(engine, prompts, args, log) -> dict:
         if args.mlx_lm_batch:
             runs.append(run_mlx_lm(engine, prompts, args.max_tokens, b))
         for k in [0, *args.draft_tokens]:
-            if first_batch is not None and b == args.batch_sizes[0] and k == 0:
-                runs.append(first_batch)
-            else:
-                runs.append(run_batched(engine, prompts, args.max_tokens, b, k, references, parsed, phases))
-            r = runs[-1]
-            log(f"  B={b} {'K=' + str(k) if k else 'plain'}: {_progress(r)}")
+            for ahead in aheads:  # side by side: the same rows with and without prefills ahead
+                if first_batch is not None and b == args.batch_sizes[0] and k == 0 and ahead == 0:
+                    runs.append(first_batch)
+                else:
+                    runs.append(run_batched(engine, prompts, args.max_tokens, b, k, references, parsed, phases,
+                                            ahead))
+                r = runs[-1]
+                log(f"  B={b} {'K=' + str(k) if k else 'plain'}{f', prefill ahead {ahead}' if ahead else ''}: "
+                    f"{_progress(r)}")
         costs[b] = step_costs(engine, prompts, b, args.draft_tokens)
     for r in runs:
         r.identical = sum(a == b for a, b in zip(r.outputs, reference))
@@ -336,6 +346,7 @@ def batched_cost_model(costs: dict, rows: list[dict]) -> list[dict]:
     the speedup over plain batching they predict at the measured acceptance,
     the measured decode speedup, and their ratio (engine efficiency)."""
     out = []
+    rows = [r for r in rows if not r.get("prefill_ahead")]  # prefills ahead change no step's cost
     plain = {r["batch_size"]: r for r in rows if r["mode"] == "plain batching"}
     for r in rows:
         if r["mode"] != "batched chain" or r["batch_size"] not in costs:
@@ -353,7 +364,8 @@ def print_dataset_table(report: dict, log) -> None:
     log(f"{'mode':<24}{'B':>4}{'K':>3}{'tok/s':>9}{'decode':>9}{'x plain':>9}{'accept':>8}{'ident':>8}{'peakGB':>8}")
     for r in report["dataset_runs"]:
         al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
-        log(f"{r['mode']:<24}{r['batch_size']:>4}{r['draft_tokens']:>3}{r['tokens_per_s']:>9.1f}"
+        mode = r["mode"] + (f" +{r['prefill_ahead']} ahead" if r.get("prefill_ahead") else "")
+        log(f"{mode:<24}{r['batch_size']:>4}{r['draft_tokens']:>3}{r['tokens_per_s']:>9.1f}"
             f"{r['decode_tokens_per_s']:>9.1f}{r.get('speedup_over_plain_one_at_a_time', 0):>9.2f}{al:>8}"
             f"{r['identical']:>8}{r['peak_memory_gb']:>8.2f}")
     for c in report["batched_cost_model"]:

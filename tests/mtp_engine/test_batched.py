@@ -82,32 +82,36 @@ def check_row(result, row, eos, engine) -> str:
 
 
 CASES = [
-    # (model, batch size, K, drafter)
-    ("l4_fai4_kv2_e4k2", 1, 1, "mlx"),
-    ("l4_fai4_kv2_e4k2", 3, 2, "cpp"),
-    ("l4_fai4_kv2_e4k2", 16, 6, "mlx"),
-    ("l6_fai3_kv1_e8k1_mtp2", 5, 4, "mlx"),
-    ("l6_fai3_kv1_e8k1_mtp2", 2, 3, "cpp"),
-    ("l5_random_tied_sparse2", 8, 5, "mlx"),
-    ("eos", 6, 3, "mlx"),
-    ("eos", 4, 0, "mlx"),  # plain batched decoding
+    # (model, batch size, K, drafter, prompts prefilled ahead on a second stream)
+    ("l4_fai4_kv2_e4k2", 1, 1, "mlx", 0),
+    ("l4_fai4_kv2_e4k2", 3, 2, "cpp", 2),
+    ("l4_fai4_kv2_e4k2", 16, 6, "mlx", 0),
+    ("l6_fai3_kv1_e8k1_mtp2", 5, 4, "mlx", 1),
+    ("l6_fai3_kv1_e8k1_mtp2", 2, 3, "cpp", 0),
+    ("l5_random_tied_sparse2", 8, 5, "mlx", 0),
+    ("eos", 6, 3, "mlx", 3),
+    ("eos", 4, 0, "mlx", 2),  # plain batched decoding
 ]
 
 
-@pytest.mark.parametrize("name,batch,k,drafter", CASES)
-def test_every_row_equals_plain_decoding_of_its_prompt_alone(models, name, batch, k, drafter, capsys):
+@pytest.mark.parametrize("name,batch,k,drafter,ahead", CASES)
+def test_every_row_equals_plain_decoding_of_its_prompt_alone(models, name, batch, k, drafter, ahead, capsys):
     engine, reference = models[name]
     if drafter == "cpp" and engine.drafters.cpp is None:
         pytest.skip("needs the C++ drafter")
     rows = rows_for(engine, reference)
-    decoder = BatchedDecoder(engine, batch, "chain" if k else "baseline", k or 3, drafter)
+    decoder = BatchedDecoder(engine, batch, "chain" if k else "baseline", k or 3, drafter, prefill_ahead=ahead)
     for i, row in enumerate(rows):
         decoder.add(i, row["ids"], max_tokens=row["max_tokens"], stop=row["stop"])
-    results, max_in_flight = {}, 0
+    results, max_in_flight, joined_prefilled = {}, 0, 0
     while decoder.pending:
-        results.update(decoder.step())
+        ready = {q.key for q in decoder.queue if q.prefilled is not None}
+        finished = decoder.step()
+        joined_prefilled += len(ready - {q.key for q in decoder.queue})  # prefilled ahead, then joined
+        results.update(finished)
         max_in_flight = max(max_in_flight, len(decoder.rows))
     assert max_in_flight == min(batch, len(rows))  # rows joined as others left
+    assert (joined_prefilled > 0) == (ahead > 0 and batch < len(rows))
     outcomes = [check_row(results[i], row, engine.eos_token_ids, engine) for i, row in enumerate(rows)]
     reasons = {r.finish_reason for r in results.values()}
     with capsys.disabled():
@@ -152,6 +156,7 @@ def test_generate_batch_yields_rows_as_they_finish_and_returns_them_in_order(mod
     (dict(max_tokens=[4]), ValueError, "1 max_tokens for 2 prompts"),
     (dict(max_tokens=0), ValueError, "max_tokens must be a positive int, got 0"),
     (dict(drafter="cuda"), ValueError, "drafter must be 'auto', 'mlx' or 'cpp'"),
+    (dict(prefill_ahead=-1), ValueError, "prefill_ahead must be an int >= 0, got -1"),
 ])
 def test_bad_parameters_are_named_before_anything_decodes(models, kwargs, error, match):
     engine, _ = models["l4_fai4_kv2_e4k2"]

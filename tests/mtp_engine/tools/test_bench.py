@@ -87,22 +87,26 @@ def test_cost_model_prices_a_kernel_chain_as_one_launch():
 
 def test_dataset_suite_times_one_at_a_time_on_the_first_prompts_only(tmp_path, tiny_path):
     # A slow model's dataset run: one-at-a-time decoding on the first 2 of 4
-    # prompts, chains at two depths, drafts projected at a profile; every
-    # row still equals the reference (plain decoding, then plain batching).
+    # prompts, chains at two depths, drafts projected at a profile, batched
+    # runs with and without prefills ahead; every row still equals the
+    # reference (plain decoding, then plain batching).
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def add(a, b):", "Hello", "class A:", "x = "]))
     out = tmp_path / "bench.json"
     code = main(["--model", str(tiny_path), "--prompts", str(prompts), "--suite", "dataset", "--limit", "4",
                  "--max-tokens", "6", "--batch-sizes", "2", "--draft-tokens", "2", "--single-k", "1", "3",
-                 "--single-limit", "2", "--acceptance-profile", "0.9,0.5", "--no-mlx-lm-batch", "--json", str(out)])
+                 "--single-limit", "2", "--acceptance-profile", "0.9,0.5", "--no-mlx-lm-batch",
+                 "--prefill-ahead", "0", "2", "--json", str(out)])
     assert code == 0
     run = json.loads(out.read_text())  # one context: its report at the top level
     assert run["settings"]["single_sequence_prompts"] == 2
     assert "plain batching at B=2" in run["settings"]["reference"]
-    rows = {(r["mode"], r["draft_tokens"]): r for r in run["dataset_runs"]}
-    assert set(rows) == {("plain, one at a time", 0), ("single-sequence chain", 1), ("single-sequence chain", 3),
-                         ("plain batching", 0), ("batched chain", 2)}
-    for (mode, _), r in rows.items():
+    rows = {(r["mode"], r["draft_tokens"], r.get("prefill_ahead", 0)): r for r in run["dataset_runs"]}
+    assert set(rows) == {("plain, one at a time", 0, 0), ("single-sequence chain", 1, 0),
+                         ("single-sequence chain", 3, 0), ("plain batching", 0, 0), ("plain batching", 0, 2),
+                         ("batched chain", 2, 0), ("batched chain", 2, 2)}
+    assert [(c["draft_tokens"], c["batch_size"]) for c in run["batched_cost_model"]] == [(2, 2)]
+    for (mode, _, _), r in rows.items():
         n = 2 if mode in ("plain, one at a time", "single-sequence chain") else 4
         assert r["prompts"] == n and r["identical"] == f"{n}/{n}"
         if r["draft_tokens"]:
