@@ -106,7 +106,7 @@ class BatchedDecoder:
             would overlap runs in turn: for finding where time goes, not
             for throughput.
         prefill_ahead: Each step first dispatches the prefill of the next
-            N queued prompts on a stream of its own (`MTPEngine.prefill`),
+            N queued prompts on the engine's second stream (`MTPEngine.side_stream`),
             so a device that decoding leaves idle (host-bound steps)
             prefills while the batch drafts and verifies; a joining row
             then finds its caches ready. 0 (the default): each prompt
@@ -146,7 +146,6 @@ class BatchedDecoder:
         self._lap_start = 0.0
         # Timed phases run in turn, so nothing is prefilled ahead of them.
         self.prefill_ahead = 0 if phase_seconds is not None else prefill_ahead
-        self._prefill_stream = mx.new_stream(mx.default_device()) if self.prefill_ahead else None
 
     def _make_drafter(self, choice):
         if not isinstance(choice, str):
@@ -328,7 +327,7 @@ class BatchedDecoder:
             if q.prefilled is None:
                 caches = make_main_cache(self.engine.model)
                 hidden, logits = self.engine.prefill(q.prompt, caches, keep_hidden=self.k > 0,
-                                                     stream=self._prefill_stream)
+                                                     stream=self.engine.side_stream())
                 q.prefilled = (caches, hidden, logits)
 
     def _may_join(self, q: _Queued) -> bool:

@@ -82,6 +82,7 @@ class MTPEngine:
         )
         self.fast_paths: list[FastPathStatus] = [self._blas_status(), *checkpoint.fast_paths,
                                                  *self.drafters.statuses, self._attention_status()]
+        self._side_stream: mx.Stream | None = None  # made on first use: `side_stream`
 
     @classmethod
     def load(
@@ -388,6 +389,13 @@ class MTPEngine:
         for i, result in self.generate_batch_iter(prompts, **kwargs):
             results[i] = result
         return results
+
+    def side_stream(self) -> mx.Stream:
+        """The engine's second stream on its device (one per engine, made on
+        first use): prefills dispatched ahead of a batch's steps run there."""
+        if self._side_stream is None:
+            self._side_stream = mx.new_stream(mx.default_device())
+        return self._side_stream
 
     def prefill(self, ids: list[int], caches: list, keep_hidden: bool,
                 stream: mx.Stream | None = None) -> tuple[mx.array | None, mx.array]:

@@ -261,3 +261,15 @@ def test_plain_batched_decoding_is_batch_mode(models):
 
 def test_tiny_config_is_covered():
     assert tiny_config()["num_hidden_layers"] == 4  # the cases above name the configs of test_lossless
+
+
+def test_prefills_ahead_use_one_stream_of_the_engine(models):
+    """Every batch that prefills ahead uses the engine's one second stream
+    (a stream per batch would pile up over a long job)."""
+    engine, _ = models["l4_fai4_kv2_e4k2"]
+    side = engine.side_stream()
+    assert side != mx.default_stream(mx.default_device())
+    for _ in range(2):
+        results = engine.generate_batch(PROMPTS[:5], batch_size=2, max_tokens=4, prefill_ahead=2)
+        assert all(len(r.tokens) == 4 for r in results)
+    assert engine.side_stream() == side
