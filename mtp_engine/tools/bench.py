@@ -567,6 +567,10 @@ def main(argv=None) -> int:
         parser.error(f"--widths must be positive, got {' '.join(map(str, args.widths))}")
     if any(r < 1 for r in args.block_rows):
         parser.error(f"--block-rows must be positive, got {' '.join(map(str, args.block_rows))}")
+    if any(n < 0 for n in args.prefill_ahead):
+        parser.error(f"--prefill-ahead must be 0 or more, got {' '.join(map(str, args.prefill_ahead))}")
+    if args.phase_times and any(args.prefill_ahead):
+        parser.error("--phase-times and --prefill-ahead do not combine (timed phases run in turn)")
     log = lambda m: print(m, flush=True)
 
     if args.synthetic:

@@ -254,6 +254,7 @@ def dataset_suite(engine, prompts, args, log) -> dict:
     # kernels run does not depend on the context length.
     few = prompts[: min(4, len(prompts))]
     aheads = getattr(args, "prefill_ahead", None) or [0]
+    phases = getattr(args, "phase_times", False)  # with prefills ahead: refused by the CLI
     for b in args.batch_sizes:
         rows = [prompts[i % len(prompts)][-32:] for i in range(b)]
         for k in [0, *args.draft_tokens]:
@@ -265,7 +266,6 @@ def dataset_suite(engine, prompts, args, log) -> dict:
         run_single(engine, few[:1], 4, k)
 
     limit = getattr(args, "single_limit", None)
-    phases = getattr(args, "phase_times", False)
     if limit and getattr(args, "loop_free", False):
         raise SystemExit("--single-limit and --loop-free do not combine (loops are found in plain outputs)")
     if limit and limit < len(prompts) and not args.batch_sizes:

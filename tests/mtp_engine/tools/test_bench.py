@@ -202,3 +202,13 @@ def test_prefill_cost_suite_refuses_bad_block_rows(tiny_path, capsys):
         prefill_cost_suite(engine, [5, 6, 7], [])
     with pytest.raises(ValueError, match="the prompt needs at least 2 tokens, got 1"):
         prefill_cost_suite(engine, [5], [16])
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--prefill-ahead", "0", "-1"], "--prefill-ahead must be 0 or more, got 0 -1"),
+    (["--prefill-ahead", "2", "--phase-times"], "--phase-times and --prefill-ahead do not combine"),
+])
+def test_dataset_suite_refuses_bad_prefill_ahead(tiny_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", str(tiny_path), "--suite", "dataset", *flags])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
