@@ -325,10 +325,15 @@ class BatchedDecoder:
         verifies; `_join` then finds it done (or waits for it)."""
         for q in self.queue[: self.prefill_ahead]:
             if q.prefilled is None:
-                caches = make_main_cache(self.engine.model)
-                hidden, logits = self.engine.prefill(q.prompt, caches, keep_hidden=self.k > 0,
-                                                     stream=self.engine.side_stream())
-                q.prefilled = (caches, hidden, logits)
+                q.prefilled = self._prefill(q, self.engine.side_stream())
+
+    def _prefill(self, q: _Queued, stream: mx.Stream | None = None) -> tuple:
+        """``q``'s prompt through the trunk into fresh caches (with its
+        hiddens when the head drafts): ``(caches, hidden, logits)``, on
+        ``stream`` only dispatched (`MTPEngine.prefill`)."""
+        caches = make_main_cache(self.engine.model)
+        hidden, logits = self.engine.prefill(q.prompt, caches, keep_hidden=self.k > 0, stream=stream)
+        return caches, hidden, logits
 
     def _may_join(self, q: _Queued) -> bool:
         """Whether ``q`` can join now: a sampled prompt waits for an empty
@@ -369,12 +374,8 @@ class BatchedDecoder:
         engine = self.engine
         self._lap(None)
         t0 = time.perf_counter()
-        if q.prefilled is not None:
-            caches, hidden, logits = q.prefilled
-            q.prefilled = None
-        else:
-            caches = make_main_cache(engine.model)
-            hidden, logits = engine.prefill(q.prompt, caches, keep_hidden=self.k > 0)
+        caches, hidden, logits = q.prefilled or self._prefill(q)
+        q.prefilled = None
         self._lap("prefill")
         prefill_s = (time.perf_counter() - t0) / len(samples)
         firsts = choose(mx.concatenate([logits] * len(samples)), samples,
