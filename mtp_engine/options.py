@@ -40,6 +40,15 @@ decoding and verify forwards must share, or that only they take (the MoE
 kernel, compiled layers and head, layer dispatch), covers widths up to this
 one; wider forwards are prompt prefill."""
 
+CUDA_DISPATCH_MIN_TOKENS = 16
+"""Tokens (rows x width) from which a verify forward's layers dispatch on
+CUDA (`EngineOptions.layer_dispatch`). On the H200 (80B-A3B shapes) one
+sequence's verify forward of 4 tokens took 30 ms a step without dispatch
+and 38 ms with it (48 small submissions, no device work to hide); 8 rows of
+4 tokens were faster with it (66 against 87 ms). On the CPU every verify
+forward dispatches (one sequence: forward(4) 1.09-1.12x forward(1) with,
+1.23-1.36x without)."""
+
 GPU_MOE_SORT_MIN = 1024
 """Routed selections from which a GPU's MoE blocks sort their tokens by
 expert: prefill chunks do, verify forwards and decoding batches do not."""
@@ -117,10 +126,11 @@ class EngineOptions:
             of 4- and 8-bit experts in the engine's CUDA kernel, which reads
             an expert's weights once for several of its tokens (None: on
             CUDA); prefill keeps MLX's products (``grouped_moe``).
-        layer_dispatch: In verify forwards (2 to `MAX_VERIFY_WIDTH` tokens a row) each
-            trunk decoder layer hands its output to the device as soon as
-            it is built (``mx.async_eval``), so the device computes a layer
-            while the host builds the next (not inside ``mx.grad`` or
+        layer_dispatch: In verify forwards (2 to `MAX_VERIFY_WIDTH` tokens a row;
+            on CUDA only those of `CUDA_DISPATCH_MIN_TOKENS` tokens or
+            more) each trunk decoder layer hands its output to the device as
+            soon as it is built (``mx.async_eval``), so the device computes a
+            layer while the host builds the next (not inside ``mx.grad`` or
             ``mx.compile``).
         state_capture: Verify forwards record per-token recurrent states, so
             a commit is a lookup; False snapshots and replays instead.

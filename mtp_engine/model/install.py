@@ -28,6 +28,7 @@ from mtp_engine.model.quantized import install_flat_quantized
 from mtp_engine.model.rope import install_batch_rope
 from mtp_engine.model.rowwise import install_rowwise_linears
 from mtp_engine.options import (
+    CUDA_DISPATCH_MIN_TOKENS,
     GPU_MOE_GROUP_MIN,
     GPU_MOE_SORT_MIN,
     MAX_VERIFY_WIDTH,
@@ -135,9 +136,11 @@ def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOpti
     if compiled.state == "on":
         install_compiled_layers(model, head)
 
+    min_tokens = CUDA_DISPATCH_MIN_TOKENS if on_cuda else 2
     dispatch = decide("layer_dispatch", options.layer_dispatch, True, None,
-                      "in verify forwards each trunk layer computes while the host builds the next")
+                      f"in verify forwards of {min_tokens} tokens or more each trunk layer computes while the host "
+                      "builds the next")
     statuses.append(dispatch)
     if dispatch.state == "on":
-        install_layer_dispatch(model)  # last: it subclasses each layer's class as installed
+        install_layer_dispatch(model, min_tokens)  # last: it subclasses each layer's class as installed
     return statuses

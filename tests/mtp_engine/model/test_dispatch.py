@@ -9,8 +9,14 @@ from mlx.utils import tree_flatten
 
 from mtp_engine import MTPEngine
 from mtp_engine.model.compiled import CompiledDecoderLayer
-from mtp_engine.model.dispatch import DispatchedLayer, install_layer_dispatch
-from mtp_engine.options import EngineOptions
+from mtp_engine.model.dispatch import (
+    DispatchedLayer,
+    dispatched_class,
+    install_layer_dispatch,
+)
+from mtp_engine.model.swap import share_weights
+from mtp_engine.options import CUDA_DISPATCH_MIN_TOKENS, EngineOptions
+from mtp_engine.tools.host_cost import primitive_counts
 
 PROMPTS = [[12, 7, 99, 31, 5, 150, 42, 8, 77, 3], [5, 6, 7], list(range(20, 60))]
 
@@ -34,6 +40,36 @@ def test_layers_are_swapped_last_and_share_their_weights(engines):
     before = [id(v) for _, v in tree_flatten(on.model.parameters())]
     assert install_layer_dispatch(on.model) == 0  # installed once
     assert [id(v) for _, v in tree_flatten(on.model.parameters())] == before
+
+
+def test_only_verify_forwards_of_enough_tokens_dispatch(engines):
+    """A dispatched layer's output is already computed when the caller gets
+    it (its graph is gone); one left to the caller still holds its ops. On
+    CUDA one sequence's verify forwards are too small to gain from it."""
+    on, _ = engines
+    layer = on.model.model.layers[0]
+    dim = on.model.args.hidden_size
+
+    def pending_ops(cls, rows: int, width: int) -> int:
+        x = mx.random.normal((rows, width, dim))
+        mx.eval(x)
+        out = share_weights(cls, layer)(x, None, None)
+        mx.synchronize()
+        return sum(primitive_counts(out).values())
+
+    base = type(layer).__mro__[2]  # Dispatched<Base>: (DispatchedLayer, Base)
+    assert pending_ops(dispatched_class(base), 1, 4) == 0
+    assert pending_ops(dispatched_class(base), 1, 1) > 0  # decoding steps never dispatch
+    gpu_rule = dispatched_class(base, CUDA_DISPATCH_MIN_TOKENS)
+    assert gpu_rule.min_tokens == CUDA_DISPATCH_MIN_TOKENS and gpu_rule is not dispatched_class(base)
+    assert pending_ops(gpu_rule, 1, 4) > 0
+    assert pending_ops(gpu_rule, CUDA_DISPATCH_MIN_TOKENS // 4, 4) == 0
+    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    assert type(layer).min_tokens == (CUDA_DISPATCH_MIN_TOKENS if on_cuda else 2)
+    [status] = [s for s in on.fast_paths if s.name == "layer_dispatch"]
+    assert f"of {type(layer).min_tokens} tokens or more" in status.detail
+    with pytest.raises(ValueError, match="min_tokens must be an int of at least 2, got 1"):
+        install_layer_dispatch(on.model, 1)
 
 
 @pytest.mark.parametrize("mode", ["baseline", "chain"])
