@@ -40,6 +40,7 @@ from mtp_engine.options import (
     FastPathStatus,
     apply_process_settings,
     cudnn_attention_on,
+    is_cuda_backend,
 )
 from mtp_engine.projection import ProjectedDrafts, project_rows
 from mtp_engine.sampling import GREEDY, SamplingParams, choose, make_sampling
@@ -130,7 +131,7 @@ class MTPEngine:
         return FastPathStatus("cpu_blas", "on", f"{rows}larger ones in OpenBLAS (process-wide)")
 
     def _attention_status(self) -> FastPathStatus:
-        if not (mx.default_device() == mx.gpu and mx.cuda.is_available()):
+        if not is_cuda_backend():
             return FastPathStatus("cudnn_attention", "unavailable", "not MLX's CUDA backend")
         on = cudnn_attention_on()
         return FastPathStatus("cudnn_attention", "on" if on else "off", "" if on else "by choice: MLX's own kernels")

@@ -245,6 +245,14 @@ class FastPathStatus:
         return f"fast path {self.name}: {self.state}" + (f" ({self.detail})" if self.detail else "")
 
 
+def is_cuda_backend() -> bool:
+    """Whether MLX computes on its CUDA backend (the default device is a GPU
+    and MLX was built for CUDA), where the CUDA fast paths can run."""
+    import mlx.core as mx  # here, not at the top: `mtp_engine` routes the CPU BLAS before MLX loads
+
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
 def cudnn_attention_on() -> bool:
     """Whether MLX's CUDA backend uses cuDNN attention (its own default: on)."""
     return os.environ.get(CUDNN_ATTENTION, "1") != "0"

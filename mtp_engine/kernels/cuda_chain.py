@@ -49,6 +49,7 @@ import mlx.nn as nn
 
 from mtp_engine.drafters.head_weights import FLOATS, UnsupportedHead, head_weights
 from mtp_engine.model.mtp_head import MTPHead
+from mtp_engine.options import is_cuda_backend
 
 SOURCES = Path(__file__).parent / "cuda"
 
@@ -235,6 +236,6 @@ class ChainKernel:
 
 def availability() -> str | None:
     """None on MLX's CUDA backend, else why the kernel cannot run."""
-    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+    if not is_cuda_backend():
         return "not MLX's CUDA backend"
     return None

@@ -30,13 +30,14 @@ import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g
 
 from mtp_engine.cache.capture import StackedStates
+from mtp_engine.options import is_cuda_backend
 
 SOURCES = Path(__file__).parent / "cuda"
 
 
 def availability() -> str | None:
     """None on MLX's CUDA backend, else why the kernel cannot run."""
-    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
+    if not is_cuda_backend():
         return "not MLX's CUDA backend"
     return None
 

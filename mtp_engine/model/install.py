@@ -34,6 +34,7 @@ from mtp_engine.options import (
     MAX_VERIFY_WIDTH,
     EngineOptions,
     FastPathStatus,
+    is_cuda_backend,
 )
 
 
@@ -82,7 +83,7 @@ def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOpti
     ``head`` (its `MTPHead`) as ``options`` say; returns what each
     layer-level fast path ended up as."""
     on_cpu = mx.default_device() == mx.cpu
-    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    on_cuda = is_cuda_backend()
     statuses = []
     if on_cuda:  # not a fast path: without it a batch of more than 64 rows can fail to launch
         install_batch_rope(model, head)

@@ -20,10 +20,11 @@ from mtp_engine.drafters.head_weights import UnsupportedHead
 from mtp_engine.drafters.mlx_head import MLXDrafter
 from mtp_engine.io.tiny import tiny_config
 from mtp_engine.kernels import cuda_chain
+from mtp_engine.options import is_cuda_backend
 from tests.conftest import PROMPTS
 from tests.mtp_engine.kernels import simt
 
-ON_CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
+ON_CUDA = is_cuda_backend()
 needs_compiler = pytest.mark.skipif(simt.compiler() is None, reason="needs a C++20 compiler for the emulator")
 # The emulator computes in float32 on the host. Against the MLX head on the
 # CPU they agree to float32 rounding; on CUDA the head's products sum in

@@ -17,9 +17,10 @@ from mlx.utils import tree_map
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from mtp_engine.kernels import cuda_moe
+from mtp_engine.options import is_cuda_backend
 from tests.mtp_engine.kernels import simt
 
-ON_CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
+ON_CUDA = is_cuda_backend()
 needs_compiler = pytest.mark.skipif(simt.compiler() is None, reason="needs a C++20 compiler for the emulator")
 
 

@@ -15,7 +15,7 @@ from mtp_engine.model.dispatch import (
     install_layer_dispatch,
 )
 from mtp_engine.model.swap import share_weights
-from mtp_engine.options import CUDA_DISPATCH_MIN_TOKENS, EngineOptions
+from mtp_engine.options import CUDA_DISPATCH_MIN_TOKENS, EngineOptions, is_cuda_backend
 from mtp_engine.tools.host_cost import primitive_counts
 
 PROMPTS = [[12, 7, 99, 31, 5, 150, 42, 8, 77, 3], [5, 6, 7], list(range(20, 60))]
@@ -64,8 +64,7 @@ def test_only_verify_forwards_of_enough_tokens_dispatch(engines):
     assert gpu_rule.min_tokens == CUDA_DISPATCH_MIN_TOKENS and gpu_rule is not dispatched_class(base)
     assert pending_ops(gpu_rule, 1, 4) > 0
     assert pending_ops(gpu_rule, CUDA_DISPATCH_MIN_TOKENS // 4, 4) == 0
-    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
-    assert type(layer).min_tokens == (CUDA_DISPATCH_MIN_TOKENS if on_cuda else 2)
+    assert type(layer).min_tokens == (CUDA_DISPATCH_MIN_TOKENS if is_cuda_backend() else 2)
     [status] = [s for s in on.fast_paths if s.name == "layer_dispatch"]
     assert f"of {type(layer).min_tokens} tokens or more" in status.detail
     with pytest.raises(ValueError, match="min_tokens must be an int of at least 2, got 1"):
@@ -87,12 +86,15 @@ def test_gradients_through_dispatched_layers(engines):
     """Inside ``mx.grad`` (head training) a dispatched layer cannot dispatch;
     it computes what a plain layer computes."""
     on, off = engines
-    x = mx.array([PROMPTS[0]])
+    x = mx.array([PROMPTS[0], PROMPTS[0][::-1]])  # 20 tokens: a forward that dispatches on every backend
+    assert x.size >= type(on.model.model.layers[0]).min_tokens
 
     def loss(model):
         return lambda scale: (model.model(x) * scale).sum()
 
     grads = [mx.grad(loss(e.model))(mx.array(1.0)) for e in (on, off)]
     assert mx.array_equal(*grads).item()
-    # ... and under mx.compile.
-    assert mx.array_equal(mx.compile(loss(on.model))(mx.array(1.0)), loss(off.model)(mx.array(1.0))).item()
+    # ... and under mx.compile (against compiled plain layers: a GPU's fused
+    # kernels may round differently from eager ones).
+    compiled = [mx.compile(loss(e.model))(mx.array(1.0)) for e in (on, off)]
+    assert mx.array_equal(*compiled).item()

@@ -12,9 +12,10 @@ from mtp_engine import MTPEngine
 from mtp_engine.io.convert import main as convert_main
 from mtp_engine.io.tiny import make_tiny_checkpoint, tiny_qwen35_config
 from mtp_engine.model.quantized import FlatQuantizedLinear, install_flat_quantized
+from mtp_engine.options import is_cuda_backend
 from tests.conftest import PROMPTS
 
-ON_CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
+ON_CUDA = is_cuda_backend()
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 64), (1, 5, 64), (8, 1, 64), (4, 3, 64), (2, 2, 2, 64), (64,), (6, 64)])

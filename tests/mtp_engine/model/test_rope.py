@@ -11,8 +11,9 @@ from mtp_engine.model.rope import (
     rows_per_launch,
 )
 from mtp_engine.model.swap import share_weights
+from mtp_engine.options import is_cuda_backend
 
-ON_CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
+ON_CUDA = is_cuda_backend()
 # (rows, heads, tokens a row, rotated dims): whether one launch failed on the H200 (MLX 0.32.4)
 H200 = {(128, 4, 1, 4): True, (128, 1, 1, 16): True, (128, 2, 1, 16): True, (32, 16, 1, 4): True,
         (32, 16, 4, 4): True, (256, 4, 4, 4): True, (64, 4, 1, 16): False, (16, 16, 1, 4): False,

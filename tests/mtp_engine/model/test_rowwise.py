@@ -17,10 +17,11 @@ from mtp_engine.model.rowwise import (
     takes_rowwise_route,
 )
 from mtp_engine.model.swap import share_weights
+from mtp_engine.options import is_cuda_backend
 from tests.conftest import PROMPTS
 
 ON_GPU = mx.default_device() != mx.cpu
-ON_CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
+ON_CUDA = is_cuda_backend()
 
 
 @pytest.mark.parametrize("outputs", [48, 1])
