@@ -11,9 +11,9 @@ Only verify forwards dispatch (2 to `MAX_VERIFY_WIDTH` tokens a row), and
 on CUDA only those of `CUDA_DISPATCH_MIN_TOKENS` tokens or more (rows x
 width). On the H200 (80B-A3B shapes, 8 rows) dispatching made verify steps
 of 4 tokens a row faster (66 against 87 ms) but one-token decoding steps
-slower (48-52 against 38-43 ms), and so it made one sequence's verify steps
-(30 against 38 ms at K=3): each of its 48 submissions costs host time and
-the device has little to do meanwhile. In prompt prefill, where the device
+slower (48-52 against 38-43 ms), and one sequence's verify steps too (38
+against 30 ms a step at K=3): each of the 48 submissions costs host time
+and the device has little work to hide it behind. In prompt prefill, where the device
 is the slower side, the host queued many layers ahead and their buffers
 raised peak memory by about 6 GB for no time gained.
 
