@@ -11,10 +11,12 @@
 #                                      # batching and batched chains K=2/3 at B=16/32/64 (~20 min) -> results/cpu-dataset-full.json;
 #                                      # then its 13 loop-free prompts (~6 min) -> results/cpu-dataset-full-loop-free.json
 #   bash benchmarks/cpu.sh sampling   # plain sampling vs both samplers, T=0.7 and 1.0 -> results/cpu-sampling.json
+#   bash benchmarks/cpu.sh quantized  # the shipped model quantized to 4 bits over 48 prompts: plain, single chain,
+#                                     # plain batching and batched chains at B=8/32 (~8 min) -> results/cpu-dataset-quantized.json
 set -euo pipefail
 py=${PY:-.venv/bin/python}
 results=benchmarks/results
-case "${1:?bench, lossless, dataset, dataset-full or sampling}" in
+case "${1:?bench, lossless, dataset, dataset-full, sampling or quantized}" in
   bench)
     $py -m mtp_engine.bench --json "$results/cpu-bench.json" ;;
   lossless)
@@ -33,5 +35,11 @@ case "${1:?bench, lossless, dataset, dataset-full or sampling}" in
   sampling)
     $py -m mtp_engine.bench --suite sampling --limit 12 --max-tokens 96 --rounds 1 --temperatures 0.7 1.0 \
       --sampling-k 2 3 4 --json "$results/cpu-sampling.json" ;;
+  quantized)
+    q4=$(mktemp -d)/q4
+    $py -m mtp_engine.convert --hf-path models/qwen3-next-tiny-stdlib --mlx-path "$q4" -q --q-bits 4
+    $py -m mtp_engine.bench --model "$q4" --suite dataset --limit 48 --max-tokens 64 --batch-sizes 8 32 --draft-tokens 2 3 \
+      --single-k 2 --no-mlx-lm-batch --json "$results/cpu-dataset-quantized.json"
+    rm -rf "$(dirname "$q4")" ;;
   *) echo "unknown suite $1" >&2; exit 2 ;;
 esac

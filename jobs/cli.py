@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output", help="output folder (created; resumed if it holds this job)")
     g.add_argument("--mode", choices=JOB_MODES, help="decoding mode; chain and baseline decode --batch-size rows at "
                    "once (batched speculation / plain batching); 'batch' = baseline (older name); 'auto' = the mode, "
-                   "K and batch size measured fastest on this backend (default: auto). Every mode writes the same rows")
+                   "K and batch size measured fastest on this backend for the model's weights (default: auto). Every mode "
+                   "writes the same rows")
     g.add_argument("--draft-tokens", type=int, help="K: draft depth (default: 4)")
     g.add_argument("--paths", type=int, help="P: candidate first tokens in 'paths' mode (default: 2)")
     g.add_argument("--tau", type=float, help="confidence threshold of the adaptive modes (default: 0.5)")

@@ -34,6 +34,16 @@ On the 80B-A3B shapes (1K-token prompts, projected at profile
 1.23-1.40x with prefill across calls), but "auto" is set by the model the
 project ships."""
 
+AUTO_QUANTIZED_CPU = ("baseline", None, 32)
+"""What "auto" becomes for a greedy job of a quantized checkpoint on the
+CPU: plain batching. MLX's CPU quantized products do the work of every row
+again (a forward of 4 tokens costs 2.7x one token, against 1.1x in float32
+through BLAS), so drafts verified in wider forwards do not pay: the shipped
+model quantized to 4 bits (`python -m mtp_engine.convert -q`), 48 prompts
+of examples/prompts.jsonl x 64 tokens, plain batching B=32 89.1 tok/s,
+B=8 87.2; batched chain B=32 K=2 69.7, B=8 K=2 71.1 / K=3 69.4;
+single-sequence chain K=2 65.3 (loop-driven acceptance 2.6-3.2)."""
+
 AUTO_SAMPLED = ("baseline", None, 32)
 """What "auto" becomes for a job that samples (temperature above 0) on any
 backend: plain batching. Sampled batched chains on this CPU (96 prompts,
@@ -65,9 +75,10 @@ class JobConfig:
         dataset: Prompt file, glob of files, or ``save_to_disk`` folder.
         model: Checkpoint folder.
         output: Output folder (created; resumed when it exists).
-        mode: A decoding mode of the engine, "batch" (continuous batching
-            with mlx-lm's BatchGenerator, no speculation) or "auto" (the
-            measured best for this machine's backend, see `AUTO_MODE`).
+        mode: A decoding mode of the engine, "batch" (plain continuous
+            batching under its older name) or "auto" (the measured best for
+            this machine's backend and the model's weights, see `AUTO`,
+            `AUTO_QUANTIZED_CPU`, `AUTO_SAMPLED`).
         draft_tokens: K.
         paths: P (mode "paths").
         tau: Confidence threshold (adaptive modes).
@@ -201,12 +212,18 @@ class JobConfig:
             merged["stop"] = tuple(merged["stop"])
         return cls(**merged)
 
-    def resolved(self, backend: str) -> "JobConfig":
+    def resolved(self, backend: str, quantized: bool = False) -> "JobConfig":
         """The config with "auto" replaced by the mode, K and batch size for
-        ``backend``, and an unset batch size by its default."""
+        ``backend`` and the model (``quantized``: its trunk's linear layers
+        are), and an unset batch size by its default."""
         config = self
         if config.mode == "auto":
-            mode, k, batch = AUTO_SAMPLED if config.temperature > 0 else AUTO.get(backend, AUTO["cpu"])
+            if config.temperature > 0:
+                mode, k, batch = AUTO_SAMPLED
+            elif quantized and backend == "cpu":
+                mode, k, batch = AUTO_QUANTIZED_CPU
+            else:
+                mode, k, batch = AUTO.get(backend, AUTO["cpu"])
             config = replace(config, mode=mode, draft_tokens=k or config.draft_tokens,
                              batch_size=config.batch_size or batch)
         if config.batch_size is None:

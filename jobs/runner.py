@@ -200,8 +200,8 @@ def run_job(
     stream = stream or sys.stderr
     rank, world = ranks.rank, ranks.world
     requested = config.mode
-    config = config.resolved("cpu" if mx.default_device() == mx.cpu else "gpu")
     engine = engine or MTPEngine.load(config.model, options=config.engine_options())
+    config = config.resolved("cpu" if mx.default_device() == mx.cpu else "gpu", quantized=engine.quantized)
     source = PromptSource(config.dataset)
     total = len(source)
     if config.limit is not None:

@@ -8,13 +8,22 @@ import json
 import shutil
 
 import datasets
+import mlx.core as mx
 import pyarrow as pa
 import pytest
 
-from jobs.config import AUTO, AUTO_MODE, AUTO_SAMPLED, ConfigError, JobConfig
+from jobs.config import (
+    AUTO,
+    AUTO_MODE,
+    AUTO_QUANTIZED_CPU,
+    AUTO_SAMPLED,
+    ConfigError,
+    JobConfig,
+)
 from jobs.output import FingerprintMismatch, OutputError
 from jobs.runner import run_job
 from mtp_engine import MTPEngine
+from mtp_engine.io.convert import main as convert_main
 from tests.jobs.conftest import PROMPT_TEXTS, job_config, prompt_rows, write_jsonl
 
 
@@ -307,6 +316,29 @@ def test_auto_mode_of_a_sampled_job_is_plain_batching():
     assert (greedy.mode, greedy.batch_size) == (AUTO["cpu"][0], AUTO["cpu"][2])
     assert (sampled.mode, sampled.batch_size) == ("baseline", AUTO_SAMPLED[2])
     assert JobConfig(dataset="d", model="m", output="o", temperature=0.7, batch_size=8).resolved("cpu").batch_size == 8
+
+
+def test_auto_mode_of_a_quantized_model_on_the_cpu_is_plain_batching(tmp_path, job_model, job_engine):
+    """MLX's CPU quantized products cost every row again, so wider verify
+    forwards do not pay there; a float model keeps batched chains."""
+    greedy = JobConfig(dataset="d", model="m", output="o")
+    assert greedy.resolved("cpu", quantized=True).mode == AUTO_QUANTIZED_CPU[0] == "baseline"
+    assert greedy.resolved("cpu", quantized=False).mode == AUTO["cpu"][0] == "chain"
+    assert greedy.resolved("gpu", quantized=True).mode == AUTO["gpu"][0]
+    assert JobConfig(dataset="d", model="m", output="o", mode="chain").resolved("cpu", quantized=True).mode == "chain"
+
+    quantized = tmp_path / "q4"
+    assert convert_main(["--hf-path", str(job_model), "--mlx-path", str(quantized), "-q", "--q-group-size", "32"]) == 0
+    engine = MTPEngine.load(quantized)
+    assert engine.quantized and not job_engine.quantized
+    dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(3))
+    run_job(job_config(dataset, quantized, tmp_path / "out", mode="auto"), engine=engine)
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
+    expected = AUTO_QUANTIZED_CPU if backend == "cpu" else AUTO[backend]
+    assert (manifest["config"]["mode"], manifest["config"]["batch_size"]) == (expected[0], expected[2])
+    rows = load_rows(tmp_path / "out")
+    assert len(rows) == 3 and {r["acceptance"]["mode"] for r in rows.values()} == {expected[0]}
 
 
 def test_a_job_logs_one_line_per_fast_path(tmp_path, job_model, job_engine):
