@@ -53,6 +53,17 @@ two drafts."""
 
 AUTO_MODE = {backend: mode for backend, (mode, _, _) in AUTO.items()}
 
+
+def auto_choice(backend: str, quantized: bool, temperature: float) -> tuple[tuple[str, int | None, int], str]:
+    """What "auto" becomes, ``(mode, K or None, batch size)``, and why (for
+    the job's log): sampled jobs, then quantized models on the CPU, then
+    the backend's greedy choice."""
+    if temperature > 0:
+        return AUTO_SAMPLED, "a sampled job"
+    if quantized and backend == "cpu":
+        return AUTO_QUANTIZED_CPU, "quantized weights on the CPU"
+    return AUTO.get(backend, AUTO["cpu"]), f"a greedy job on the {backend}"
+
 SPEED_ONLY = ("mode", "draft_tokens", "paths", "tau", "batch_size")
 """Decoding settings that change speed, never the tokens (every mode is
 lossless, and the exact sampler's tokens depend on the seed only), so a
@@ -218,12 +229,7 @@ class JobConfig:
         are), and an unset batch size by its default."""
         config = self
         if config.mode == "auto":
-            if config.temperature > 0:
-                mode, k, batch = AUTO_SAMPLED
-            elif quantized and backend == "cpu":
-                mode, k, batch = AUTO_QUANTIZED_CPU
-            else:
-                mode, k, batch = AUTO.get(backend, AUTO["cpu"])
+            (mode, k, batch), _ = auto_choice(backend, quantized, config.temperature)
             config = replace(config, mode=mode, draft_tokens=k or config.draft_tokens,
                              batch_size=config.batch_size or batch)
         if config.batch_size is None:

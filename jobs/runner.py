@@ -28,6 +28,7 @@ import mlx.core as mx
 from jobs.config import (
     ConfigError,
     JobConfig,
+    auto_choice,
     fingerprint,
     fingerprint_parts,
     model_identity,
@@ -199,9 +200,10 @@ def run_job(
     """
     stream = stream or sys.stderr
     rank, world = ranks.rank, ranks.world
-    requested = config.mode
     engine = engine or MTPEngine.load(config.model, options=config.engine_options())
-    config = config.resolved("cpu" if mx.default_device() == mx.cpu else "gpu", quantized=engine.quantized)
+    backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
+    auto_basis = auto_choice(backend, engine.quantized, config.temperature)[1] if config.mode == "auto" else None
+    config = config.resolved(backend, quantized=engine.quantized)
     source = PromptSource(config.dataset)
     total = len(source)
     if config.limit is not None:
@@ -213,7 +215,7 @@ def run_job(
     manifest = build_manifest(config, engine, source, total, world, version)
     try:
         _open_folder(out, config, manifest, ranks)
-        return _run(config, requested, engine, source, total, out, ranks, stream, log, version)
+        return _run(config, auto_basis, engine, source, total, out, ranks, stream, log, version)
     except OSError as e:
         raise OutputError(_os_error_message(e, out)) from None
     finally:
@@ -276,7 +278,7 @@ def _os_error_message(e: OSError, out: OutputFolder) -> str:
     return f"cannot write to {out.path}: {what}{where}{'; ' + hint if hint else ''}. {kept}"
 
 
-def _run(config, requested, engine, source, total, out, ranks, stream, log, version) -> JobSummary:
+def _run(config, auto_basis, engine, source, total, out, ranks, stream, log, version) -> JobSummary:
     rank, world = ranks.rank, ranks.world
     progress_log = lambda m: progress.log(m)  # noqa: E731  (progress is made below)
     preparer = Preparer(config, engine.tokenizer, engine.context_length, reserved_ids=_raw_ids(source, config),
@@ -291,7 +293,7 @@ def _run(config, requested, engine, source, total, out, ranks, stream, log, vers
     )
     progress.log(
         f"job: {config.dataset} -> {config.output} | model {Path(config.model).name} | "
-        f"mode {config.mode}{' (auto)' if requested == 'auto' else ''} | {_describe_sampling(config)} | "
+        f"mode {config.mode}{f' (auto: {auto_basis})' if auto_basis else ''} | {_describe_sampling(config)} | "
         f"{len(out.done)} rows already done"
     )
     if source.empty_reason is not None:

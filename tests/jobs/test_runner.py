@@ -332,11 +332,14 @@ def test_auto_mode_of_a_quantized_model_on_the_cpu_is_plain_batching(tmp_path, j
     engine = MTPEngine.load(quantized)
     assert engine.quantized and not job_engine.quantized
     dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(3))
-    run_job(job_config(dataset, quantized, tmp_path / "out", mode="auto"), engine=engine)
+    log = io.StringIO()
+    run_job(job_config(dataset, quantized, tmp_path / "out", mode="auto"), engine=engine, stream=log)
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
     expected = AUTO_QUANTIZED_CPU if backend == "cpu" else AUTO[backend]
     assert (manifest["config"]["mode"], manifest["config"]["batch_size"]) == (expected[0], expected[2])
+    why = "quantized weights on the CPU" if backend == "cpu" else "a greedy job on the gpu"
+    assert f"mode {expected[0]} (auto: {why}) |" in log.getvalue()
     rows = load_rows(tmp_path / "out")
     assert len(rows) == 3 and {r["acceptance"]["mode"] for r in rows.values()} == {expected[0]}
 
