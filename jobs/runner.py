@@ -202,8 +202,9 @@ def run_job(
     rank, world = ranks.rank, ranks.world
     engine = engine or MTPEngine.load(config.model, options=config.engine_options())
     backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
-    auto_basis = auto_choice(backend, engine.quantized, config.temperature)[1] if config.mode == "auto" else None
-    config = config.resolved(backend, quantized=engine.quantized)
+    quantized = engine.quantized  # walks the model's modules: once
+    auto_basis = auto_choice(backend, quantized, config.temperature)[1] if config.mode == "auto" else None
+    config = config.resolved(backend, quantized=quantized)
     source = PromptSource(config.dataset)
     total = len(source)
     if config.limit is not None:
