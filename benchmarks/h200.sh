@@ -25,7 +25,8 @@
 #   bash benchmarks/h200.sh 80b-graph-ops # 80b-b8's suite (single chains K=3, 4 on the first prompt) in four processes,
 #                                      # MLX's CUDA graphs of 200 kernels / MLX's default (20) / 200 / 20 -> h200-80b-graph-ops-*.json
 #   bash benchmarks/h200.sh 80b-prefill # one 1K-token 80B prefill and its pieces alone (layers, mixers, recurrence,
-#                                      # MoE parts, expert blocks of 8-64 rows) -> h200-80b-prefill.json
+#                                      # MoE parts, the expert products on the tensor cores and in blocks of 8-64
+#                                      # rows) -> h200-80b-prefill.json
 #   bash benchmarks/h200.sh qwen3.5-27b       # Qwen3.5-27B (dense) shapes, random 4-bit weights, 1K context, drafts
 #   bash benchmarks/h200.sh qwen3.5-35b-a3b   # projected at profile 0.93,0.82,0.64 -> h200-qwen3.5-*.json (one call each)
 #

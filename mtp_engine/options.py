@@ -125,7 +125,12 @@ class EngineOptions:
             `MAX_VERIFY_WIDTH` tokens a row (decoding, drafts, verify forwards) run the expert products
             of 4- and 8-bit experts in the engine's CUDA kernel, which reads
             an expert's weights once for several of its tokens (None: on
-            CUDA); prefill keeps MLX's products (``grouped_moe``).
+            CUDA); prefill takes ``prefill_moe_kernel`` or ``grouped_moe``.
+        prefill_moe_kernel: With ``contiguous_moe``, forwards wider than
+            `MAX_VERIFY_WIDTH` tokens a row (prompt prefill) run the expert
+            products of bfloat16 models with 4-bit experts on the tensor
+            cores (``kernels/cuda/moe_tiles.cu``), each expert's weights read
+            once for all its tokens (None: on CUDA); else ``grouped_moe``.
         layer_dispatch: In verify forwards (2 to `MAX_VERIFY_WIDTH` tokens a row;
             on CUDA only those of `CUDA_DISPATCH_MIN_TOKENS` tokens or
             more) each trunk decoder layer hands its output to the device as
@@ -154,6 +159,7 @@ class EngineOptions:
     moe_sort_min: int | None = None
     grouped_moe: bool | None = None
     moe_kernel: bool | None = None
+    prefill_moe_kernel: bool | None = None
     layer_dispatch: bool = True
     state_capture: bool = True
     cudnn_attention: bool = False

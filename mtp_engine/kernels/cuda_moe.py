@@ -1,5 +1,8 @@
 """Every expert's quantized products over its routed tokens, in two CUDA launches.
 
+Two kernels: `switch_glu` for decoding and verify forwards (a few tokens a
+row) and `tiles_switch_glu` for prompt prefill (many tokens an expert).
+
 MLX 0.32's CUDA ``gather_qmm`` computes one single-row product per (token,
 expert) selection, so each selection reads its expert's weights again: at
 top-10 routing a decoding batch of 32 rows reads 320 experts' weights where
@@ -113,4 +116,99 @@ def switch_glu(switch, x: mx.array, indices: mx.array, run=None) -> mx.array:
     experts = flat[order]
     hidden = _products(run, x.reshape(-1, dim), order // k, experts, switch.gate_proj, switch.up_proj)
     y = _products(run, hidden, order, experts, switch.down_proj, None)
+    return y.reshape(*indices.shape, y.shape[-1])
+
+
+TILE_WARPS = 4
+"""Warps per thread block of the prefill kernel."""
+
+TILE_FEATURES = {"gate_up": 16, "down": 32}
+"""Output features a warp of the prefill kernel owns (16 or 32: one or two
+tensor-core products per token fragment it loads), per launch. On the H200
+(80B-A3B shapes, 1K-token prompts) gate and up were fastest at 16 (0.62
+against 0.75 ms), down at 32 (0.40 against 0.48)."""
+
+TILE_INPUT_NAMES = ["x", "perm", "starts", "counts", "w0", "s0", "b0", "w1", "s1", "b1"]
+
+
+def tiles_fit(switch) -> str | None:
+    """None when the prefill kernel (``cuda/moe_tiles.cu``) runs ``switch``'s
+    experts, else why not: bfloat16 models with 4-bit affine experts whose
+    inputs are whole steps of 128 and outputs whole blocks of
+    ``TILE_FEATURES * TILE_WARPS``."""
+    features = {"gate_proj": TILE_FEATURES["gate_up"], "up_proj": TILE_FEATURES["gate_up"],
+                "down_proj": TILE_FEATURES["down"]}
+    if not isinstance(switch.activation, SwiGLU):
+        return f"experts with a {type(switch.activation).__name__} activation"
+    gate, up, down = switch.gate_proj, switch.up_proj, switch.down_proj
+    for name, linear in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+        if getattr(linear, "mode", "affine") != "affine" or getattr(linear, "biases", None) is None:
+            return "experts not affine-quantized"
+        if "bias" in linear:
+            return "experts with a bias"
+        if linear.bits != 4:
+            return f"{linear.bits}-bit experts"
+        if linear.scales.dtype != mx.bfloat16:
+            return f"{linear.scales.dtype} experts (the tensor cores take bfloat16)"
+        n, k = linear.output_dims, linear.input_dims
+        if k % 128 or linear.group_size % 32:
+            return f"expert inputs of {k} in groups of {linear.group_size} do not split into steps of 128"
+        if n % (features[name] * TILE_WARPS):
+            return f"expert outputs of {n} do not split over {TILE_WARPS} warps of {features[name]}"
+    if gate.group_size != up.group_size:
+        return "gate and up experts quantized differently"
+    return None
+
+
+@cache
+def tiles_kernel():
+    """The compiled prefill kernel (``mx.fast.cuda_kernel``'s calling convention)."""
+    return mx.fast.cuda_kernel(name="mtp_moe_tiles", input_names=TILE_INPUT_NAMES, output_names=OUTPUT_NAMES,
+                               source=tiles_source(), header=header())
+
+
+def tiles_source() -> str:
+    return (SOURCES / "moe_tiles.cu").read_text()
+
+
+def tiles_per_pass(selections: int, experts: int) -> int:
+    """Token tiles of 8 a warp runs per pass over its weights: enough for
+    an expert's average share of ``selections``, at most 4 (32 tokens; on
+    the H200 8 were slower at 2K-token chunks, 1.21 against 1.06 ms for gate
+    and up)."""
+    mean = -(-selections // experts)
+    return next(t for t in (1, 2, 4) if 8 * t >= mean or t == 4)
+
+
+def _tile_products(run, x, perm, starts, counts, first, second, tiles: int, features: int) -> mx.array:
+    k, n = first.input_dims, first.output_dims
+    glu = second is not None
+    second = second or first
+    return run(
+        inputs=[x, perm, starts, counts, first.weight, first.scales, first.biases,
+                second.weight, second.scales, second.biases],
+        template=[("InT", x.dtype), ("ST", first.scales.dtype), ("K", k), ("N", n), ("GROUP", first.group_size),
+                  ("GLU", int(glu)), ("FR", features // 16), ("TILES", tiles)],
+        grid=(32, n // features, first.num_experts),
+        threadgroup=(32, TILE_WARPS, 1),
+        output_shapes=[(perm.size, n)],
+        output_dtypes=[x.dtype],
+    )[0]
+
+
+def tiles_switch_glu(switch, x: mx.array, indices: mx.array, run=None) -> mx.array:
+    """`switch_glu` on the tensor cores, for bfloat16 ``x`` and experts that
+    `tiles_fit` accepts: ``[..., k, dim]``. ``run`` stands in for
+    `tiles_kernel` (the tests' emulator)."""
+    run = run or tiles_kernel()
+    k, dim = indices.shape[-1], x.shape[-1]
+    experts = switch.gate_proj.num_experts
+    flat = indices.flatten().astype(mx.int32)
+    order = mx.argsort(flat).astype(mx.int32)  # the selections sorted by expert
+    counts = mx.zeros((experts,), mx.int32).at[flat].add(1)
+    starts = (mx.cumsum(counts) - counts).astype(mx.int32)
+    tiles = tiles_per_pass(flat.size, experts)
+    hidden = _tile_products(run, x.reshape(-1, dim), order // k, starts, counts, switch.gate_proj, switch.up_proj,
+                            tiles, TILE_FEATURES["gate_up"])
+    y = _tile_products(run, hidden, order, starts, counts, switch.down_proj, None, tiles, TILE_FEATURES["down"])
     return y.reshape(*indices.shape, y.shape[-1])

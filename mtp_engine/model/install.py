@@ -52,10 +52,12 @@ def decide(name: str, wanted: bool | None, default: bool, why_not: str | None, o
     return FastPathStatus(name, "on", on)
 
 
-def install_moe_kernel(model: nn.Module, head: nn.Module, options: EngineOptions, on_cuda: bool) -> FastPathStatus:
-    """Decide the `moe_kernel` fast path and, where on, give it to each
-    `EngineSparseMoeBlock` under ``model`` and ``head`` whose experts it runs
-    (``cuda_moe.fits``; a mixed quantization may leave some to MLX)."""
+def _install_expert_kernel(model: nn.Module, head: nn.Module, options: EngineOptions, on_cuda: bool, name: str,
+                           fits, attr: str, on: str) -> FastPathStatus:
+    """Decide the expert-kernel fast path ``name`` and, where on, set
+    ``attr`` on each `EngineSparseMoeBlock` under ``model`` and ``head``
+    whose experts ``fits`` accepts (a mixed quantization may leave some to
+    MLX)."""
     blocks = [m for module in (model, head) for m in module.modules() if isinstance(m, EngineSparseMoeBlock)]
     why, reasons = None, []
     if not options.contiguous_moe:
@@ -65,17 +67,36 @@ def install_moe_kernel(model: nn.Module, head: nn.Module, options: EngineOptions
     elif not blocks:
         why = "the model has no routed experts"
     else:
-        from mtp_engine.kernels import cuda_moe
-
-        reasons = [cuda_moe.fits(block.switch_mlp) for block in blocks]
+        reasons = [fits(block.switch_mlp) for block in blocks]
         why = None if None in reasons else reasons[0]
     runs = reasons.count(None)
     some = "" if runs == len(blocks) else f" ({runs} of {len(blocks)} MoE blocks; the rest keep MLX's)"
-    status = decide("moe_kernel", options.moe_kernel, on_cuda, why,
-                    f"forwards of up to {MAX_VERIFY_WIDTH} tokens a row read each expert's weights once{some}")
+    status = decide(name, getattr(options, name), on_cuda, why, on + some)
     for block, reason in zip(blocks, reasons):
-        block.expert_kernel = status.state == "on" and reason is None
+        setattr(block, attr, status.state == "on" and reason is None)
     return status
+
+
+def install_moe_kernel(model: nn.Module, head: nn.Module, options: EngineOptions, on_cuda: bool) -> FastPathStatus:
+    """Decide the `moe_kernel` fast path and, where on, give it to each
+    `EngineSparseMoeBlock` under ``model`` and ``head`` whose experts it runs
+    (``cuda_moe.fits``)."""
+    # Imported here: importing the packages loads no CUDA module.
+    from mtp_engine.kernels import cuda_moe
+
+    return _install_expert_kernel(model, head, options, on_cuda, "moe_kernel", cuda_moe.fits, "expert_kernel",
+                                  f"forwards of up to {MAX_VERIFY_WIDTH} tokens a row read each expert's weights once")
+
+
+def install_prefill_moe_kernel(model: nn.Module, head: nn.Module, options: EngineOptions,
+                               on_cuda: bool) -> FastPathStatus:
+    """Decide the `prefill_moe_kernel` fast path and, where on, give it to
+    each `EngineSparseMoeBlock` whose experts it runs (``cuda_moe.tiles_fit``)."""
+    # Imported here: importing the packages loads no CUDA module.
+    from mtp_engine.kernels import cuda_moe
+
+    return _install_expert_kernel(model, head, options, on_cuda, "prefill_moe_kernel", cuda_moe.tiles_fit,
+                                  "prefill_kernel", "prompt prefill's expert products on the tensor cores")
 
 
 def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOptions) -> list[FastPathStatus]:
@@ -118,6 +139,7 @@ def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOpti
         install_moe_blocks(model, head, sort_min=sort_min,
                            group_min=GPU_MOE_GROUP_MIN if grouped.state == "on" else None)
     statuses.append(install_moe_kernel(model, head, options, on_cuda))
+    statuses.append(install_prefill_moe_kernel(model, head, options, on_cuda))
 
     rowwise = decide("rowwise_linears", options.rowwise_linears, on_cuda, None, "few-row dense products row by row")
     statuses.append(rowwise)

@@ -28,7 +28,10 @@ CUDA) `grouped_switch_glu` lays each expert's tokens out as blocks of
 With `EngineSparseMoeBlock.expert_kernel` (`EngineOptions.moe_kernel`, on
 CUDA) forwards of up to `MAX_VERIFY_WIDTH` tokens a row run the engine's
 own kernel (`mtp_engine.kernels.cuda_moe`) instead, whose per-token
-arithmetic does not depend on the batch; prompt prefill keeps the above.
+arithmetic does not depend on the batch; with
+`EngineSparseMoeBlock.prefill_kernel` (`EngineOptions.prefill_moe_kernel`)
+wider forwards (prompt prefill) of bfloat16 models run its tensor-core
+kernel, else the above.
 """
 
 from __future__ import annotations
@@ -122,11 +125,14 @@ class EngineSparseMoeBlock(Qwen3NextSparseMoeBlock):
         expert_kernel: Forwards of up to `MAX_VERIFY_WIDTH` tokens a row
             run their expert products in the CUDA kernel
             (`mtp_engine.kernels.cuda_moe`).
+        prefill_kernel: Wider bfloat16 forwards run them in its tensor-core
+            kernel (``cuda_moe.tiles_switch_glu``).
     """
 
     sort_min: int = MLX_LM_SORT_MIN
     group_min: int | None = None
     expert_kernel: bool = False
+    prefill_kernel: bool = False
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.sharding_group is not None:  # the distributed path stays mlx-lm's
@@ -137,11 +143,16 @@ class EngineSparseMoeBlock(Qwen3NextSparseMoeBlock):
         scores = mx.take_along_axis(gates, inds, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
-        if self.expert_kernel and (x.ndim < 2 or x.shape[-2] <= MAX_VERIFY_WIDTH):
-            # Imported here: the kernel is only installed on CUDA backends.
+        narrow = x.ndim < 2 or x.shape[-2] <= MAX_VERIFY_WIDTH
+        if self.expert_kernel and narrow:
+            # Imported here: the kernels are only installed on CUDA backends.
             from mtp_engine.kernels import cuda_moe
 
             y = cuda_moe.switch_glu(self.switch_mlp, x, inds)
+        elif self.prefill_kernel and not narrow and x.dtype == mx.bfloat16:
+            from mtp_engine.kernels import cuda_moe
+
+            y = cuda_moe.tiles_switch_glu(self.switch_mlp, x, inds)
         else:
             y = switch_glu(self.switch_mlp, x, inds, self.sort_min, self.group_min)
         y = (y * scores[..., None]).sum(axis=-2)

@@ -10,9 +10,11 @@ length, each evaluated and waited for:
 - one gated-delta decoder layer, its mixer, the recurrence alone (the path
   the engine chose for it) and its input projections;
 - one attention decoder layer and its mixer;
-- the MLP half (MoE: the block, its router, its shared expert, and the
-  routed experts' products grouped in blocks of each ``--block-rows``, as
-  `mtp_engine.model.moe.grouped_switch_glu` runs them in prefill).
+- the MLP half (MoE: the block, its router, its shared expert, the routed
+  experts' products in the tensor-core kernel where the block runs it
+  (`EngineOptions.prefill_moe_kernel`), and grouped in blocks of each
+  ``--block-rows`` as `mtp_engine.model.moe.grouped_switch_glu` runs them
+  without it).
 
 The layer counts give each kind's share of the whole (``estimate_ms``: the
 two layer kinds times their counts). Medians of the repeats after a
@@ -88,6 +90,10 @@ def prefill_cost_suite(engine, prompt: list[int], block_rows: list[int], repeats
         gates = mx.softmax(mlp.gate(x), axis=-1, precise=True)
         inds = mx.contiguous(mx.argpartition(gates, kth=-mlp.top_k, axis=-1)[..., -mlp.top_k:])
         mx.eval(inds)
+        if getattr(mlp, "prefill_kernel", False):
+            from mtp_engine.kernels import cuda_moe
+
+            pieces["experts_tensor_cores"] = _ms(lambda: cuda_moe.tiles_switch_glu(mlp.switch_mlp, x, inds), repeats)
         for rows in block_rows:
             blocks[rows] = _ms(lambda: grouped_switch_glu(mlp.switch_mlp, x, inds, rows), repeats)
     estimate = len(linear) * pieces.get("gated_delta_layer", 0.0) + len(attention) * pieces.get("attention_layer", 0.0)

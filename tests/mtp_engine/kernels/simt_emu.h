@@ -8,6 +8,8 @@
 
 #pragma once
 
+#define MTP_SIMT_EMULATOR 1
+
 #include <algorithm>
 #include <barrier>
 #include <cmath>
@@ -63,6 +65,7 @@ namespace simt {
 inline std::unique_ptr<std::barrier<>> block_barrier;
 inline std::vector<std::unique_ptr<std::barrier<>>> warp_barriers;
 inline std::vector<uint64_t> slots;  // 32 per warp
+inline std::vector<uint32_t> mma_slots;  // 6 registers per thread
 inline thread_local int tid;         // the thread's number in its block
 
 // Every block of grid (gx, gy, gz) blocks of (bx, by) threads, one after another.
@@ -84,6 +87,7 @@ inline void run(int gx, int gy, int gz, int bx, int by, const std::function<void
         warp_barriers.clear();
         for (int w = 0; w < threads / 32; w++) warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
         slots.assign(threads, 0);
+        mma_slots.assign(threads * 6, 0);
         std::vector<std::thread> pool;
         for (int t = 0; t < threads; t++) {
           pool.emplace_back([t, bx, &body] {
@@ -118,4 +122,38 @@ T __shfl_xor_sync(unsigned, T v, int lane_mask) {
   T out;
   std::memcpy(&out, &other, sizeof(T));
   return out;
+}
+
+// mtp_moe_mma (moe_products.cuh): a warp's m16n8k16 bfloat16 product with float
+// accumulators, each lane's registers laid out as PTX's mma.sync takes them (A rows
+// groupID and groupID + 8, B column groupID, C rows groupID and groupID + 8, columns
+// 2 * (lane % 4) and the next). Sums in k order; the tensor cores' rounding may differ.
+inline void mtp_moe_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  const int lane = simt::tid & 31, warp = simt::tid >> 5;
+  uint32_t* mine = &simt::mma_slots[(warp * 32 + lane) * 6];
+  for (int r = 0; r < 4; r++) mine[r] = a[r];
+  mine[4] = b0;
+  mine[5] = b1;
+  simt::warp_barriers[warp]->arrive_and_wait();
+  auto half = [&](int src, int reg, int k) {
+    const uint32_t word = simt::mma_slots[(warp * 32 + src) * 6 + reg];
+    const uint32_t bits = ((k & 1) ? word >> 16 : word & 0xffffu) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  };
+  const int g = lane >> 2, t = lane & 3;
+  float out[4];
+  for (int idx = 0; idx < 4; idx++) {
+    const int row = g + 8 * (idx >> 1), col = 2 * t + (idx & 1);
+    float sum = 0.0f;
+    for (int k = 0; k < 16; k++) {
+      const float av = half((row & 7) * 4 + (k & 7) / 2, (row >= 8) + 2 * (k >= 8), k);
+      const float bv = half(col * 4 + (k & 7) / 2, 4 + (k >= 8), k);
+      sum += av * bv;
+    }
+    out[idx] = c[idx] + sum;
+  }
+  simt::warp_barriers[warp]->arrive_and_wait();
+  for (int idx = 0; idx < 4; idx++) c[idx] = out[idx];
 }

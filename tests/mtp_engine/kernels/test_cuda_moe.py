@@ -112,3 +112,108 @@ def test_the_kernel_runs_only_the_blocks_it_fits():
     status = install_moe_kernel(mixed, head, EngineOptions(), on_cuda=True)
     assert (status.state, status.detail) == ("unavailable", "3-bit experts")
     assert not mixed.layers[0].expert_kernel
+
+
+def tiles_emulated(**launch):
+    """The prefill kernel's call, run by the emulator."""
+    return simt.run(cuda_moe.header(), cuda_moe.tiles_source(), cuda_moe.TILE_INPUT_NAMES, launch["inputs"],
+                    cuda_moe.OUTPUT_NAMES, launch["template"], launch["output_shapes"], launch["output_dtypes"],
+                    grid=launch["grid"], threadgroup=launch["threadgroup"])
+
+
+TILE_RUNS = [pytest.param(tiles_emulated, id="emulated", marks=needs_compiler)]
+if ON_CUDA:
+    TILE_RUNS.append(pytest.param(None, id="cuda"))
+
+
+def crowded_routing(tokens: int, dim: int, k: int = 3, experts_n: int = 8):
+    """``tokens`` routed to ``k`` of ``experts_n`` experts, unevenly: most go
+    to experts 0-2 (more than one pass of tiles each), a few to 3-6, none to 7."""
+    x = mx.random.normal((tokens, dim), key=mx.random.key(tokens)).astype(mx.bfloat16)
+    rows = []
+    for i in range(tokens):
+        rows.append([0, 1, 2] if i % 4 else [3 + i % 4, 2, 6 - i % 3])
+    return x, mx.array(rows, dtype=mx.uint32)[:, :k]
+
+
+@pytest.mark.parametrize("run", TILE_RUNS)
+def test_prefill_kernel_gives_switch_glu_values(run):
+    """Tokens crowding three experts (several passes of 8 columns each), a few
+    on others, one expert without any: mlx-lm's values to bfloat16's rounding
+    of the weights, products and activation; a token's rows have the same
+    bits alone as among the rest."""
+    dim, hidden = 256, 128
+    switch = experts(4, 64, mx.bfloat16, dim, hidden)
+    assert cuda_moe.tiles_fit(switch) is None
+    x, indices = crowded_routing(36, dim)
+    ours = cuda_moe.tiles_switch_glu(switch, x, indices, run)
+    ref = experts(4, 64, mx.float32, dim, hidden)
+    ref.update(tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
+                        switch.parameters()))
+    want = ref(x.astype(mx.float32), indices)
+    assert ours.shape == want.shape == (36, 3, dim) and ours.dtype == mx.bfloat16
+    err = mx.abs(ours.astype(mx.float32) - want).max().item()
+    assert err <= 2e-2 * mx.abs(want).max().item(), err
+    for i in (0, 5):
+        alone = cuda_moe.tiles_switch_glu(switch, x[i:i + 1], indices[i:i + 1], run)
+        assert mx.array_equal(alone[0], ours[i]).item()
+
+
+def test_prefill_kernel_fits_names_what_it_cannot_run():
+    assert cuda_moe.tiles_fit(experts(4, 64, mx.bfloat16)) is None
+    assert cuda_moe.tiles_fit(experts(4, 64, mx.float32)) == "mlx.core.float32 experts (the tensor cores take bfloat16)"
+    assert cuda_moe.tiles_fit(experts(8, 64, mx.bfloat16)) == "8-bit experts"
+    assert cuda_moe.tiles_fit(experts(4, 64, mx.bfloat16, dim=320)) == (
+        "expert inputs of 320 in groups of 64 do not split into steps of 128")
+    per_warp = cuda_moe.TILE_FEATURES["gate_up"]
+    block = per_warp * cuda_moe.TILE_WARPS
+    assert cuda_moe.tiles_fit(experts(4, 32, mx.bfloat16, hidden=block + 32)) == (
+        f"expert outputs of {block + 32} do not split over {cuda_moe.TILE_WARPS} warps of {per_warp}")
+
+
+def test_the_prefill_kernel_runs_only_the_blocks_it_fits():
+    """4-bit bfloat16 experts take the prefill kernel; 8-bit ones beside them
+    keep MLX's products, and the status says how many."""
+    from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextSparseMoeBlock
+
+    from mtp_engine.io.tiny import tiny_config
+    from mtp_engine.model.install import install_prefill_moe_kernel
+    from mtp_engine.model.moe import EngineSparseMoeBlock
+    from mtp_engine.model.swap import share_weights
+    from mtp_engine.options import EngineOptions
+
+    def block(bits):
+        new = share_weights(EngineSparseMoeBlock, Qwen3NextSparseMoeBlock(ModelArgs.from_dict(tiny_config())))
+        new.switch_mlp = experts(bits, 64, mx.bfloat16)
+        return new
+
+    mixed, head = nn.Module(), nn.Module()
+    mixed.layers = [block(4), block(8)]
+    status = install_prefill_moe_kernel(mixed, head, EngineOptions(), on_cuda=True)
+    assert status.state == "on" and "(1 of 2 MoE blocks; the rest keep MLX's)" in status.detail
+    assert [b.prefill_kernel for b in mixed.layers] == [True, False]
+    status = install_prefill_moe_kernel(mixed, head, EngineOptions(prefill_moe_kernel=False), on_cuda=True)
+    assert status.state == "off" and not any(b.prefill_kernel for b in mixed.layers)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="runs the kernel on the GPU")
+def test_a_prefill_forward_takes_the_tensor_core_kernel():
+    """An MoE block of 4-bit bfloat16 experts over a 40-token prefill chunk
+    gives mlx-lm's values to bfloat16 rounding."""
+    from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextSparseMoeBlock
+
+    from mtp_engine.io.tiny import tiny_config
+    from mtp_engine.model.moe import EngineSparseMoeBlock
+    from mtp_engine.model.swap import share_weights
+
+    args = ModelArgs.from_dict(tiny_config(num_experts=8, hidden_size=256, moe_intermediate_size=128,
+                                           shared_expert_intermediate_size=128))
+    theirs = Qwen3NextSparseMoeBlock(args)
+    nn.quantize(theirs, group_size=64, bits=4,
+                class_predicate=lambda p, m: p.startswith("switch_mlp.") and hasattr(m, "to_quantized"))
+    theirs.set_dtype(mx.bfloat16)
+    ours = share_weights(EngineSparseMoeBlock, theirs)
+    ours.prefill_kernel = True
+    x = mx.random.normal((1, 40, 256), key=mx.random.key(7)).astype(mx.bfloat16)
+    y, want = ours(x), theirs(x)
+    assert y.shape == want.shape and mx.abs(y - want).max().item() <= 3e-2 * mx.abs(want).max().item()

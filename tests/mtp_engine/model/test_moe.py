@@ -110,3 +110,7 @@ def test_the_expert_kernel_is_reported_where_it_cannot_run(tiny_path):
     status = next(s for s in forced.fast_paths if s.name == "moe_kernel")
     assert (status.state, status.detail) == ("unavailable", "not MLX's CUDA backend")
     assert not any(layer.mlp.expert_kernel for layer in forced.model.layers)
+    forced = MTPEngine.load(tiny_path, prefill_moe_kernel=True)
+    status = next(s for s in forced.fast_paths if s.name == "prefill_moe_kernel")
+    assert (status.state, status.detail) == ("unavailable", "not MLX's CUDA backend")
+    assert not any(layer.mlp.prefill_kernel for layer in forced.model.layers)
