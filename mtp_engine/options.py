@@ -130,7 +130,8 @@ class EngineOptions:
             `MAX_VERIFY_WIDTH` tokens a row (prompt prefill) run the expert
             products of bfloat16 models with 4-bit experts on the tensor
             cores (``kernels/cuda/moe_tiles.cu``), each expert's weights read
-            once for all its tokens (None: on CUDA); else ``grouped_moe``.
+            once for up to 32 of its tokens (None: on CUDA); else
+            ``grouped_moe``.
         layer_dispatch: In verify forwards (2 to `MAX_VERIFY_WIDTH` tokens a row;
             on CUDA only those of `CUDA_DISPATCH_MIN_TOKENS` tokens or
             more) each trunk decoder layer hands its output to the device as
