@@ -11,7 +11,7 @@ from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextSparseMoeBlock
 from mtp_engine.io.tiny import tiny_config
 from mtp_engine.model.moe import EngineSparseMoeBlock, install_moe_blocks
 from mtp_engine.model.swap import share_weights
-from mtp_engine.options import GPU_MOE_GROUP_MIN
+from mtp_engine.options import GPU_MOE_GROUP_MIN, MAX_VERIFY_WIDTH, is_cuda_backend
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 40])
@@ -114,3 +114,27 @@ def test_the_expert_kernel_is_reported_where_it_cannot_run(tiny_path):
     status = next(s for s in forced.fast_paths if s.name == "prefill_moe_kernel")
     assert (status.state, status.detail) == ("unavailable", "not MLX's CUDA backend")
     assert not any(layer.mlp.prefill_kernel for layer in forced.model.layers)
+
+
+@pytest.mark.skipif(is_cuda_backend(), reason="checks the routing on a backend without the kernels")
+def test_only_wide_bfloat16_forwards_take_the_prefill_kernel():
+    """A block given the prefill kernel keeps MLX's products (the same bits as
+    without it) for decoding and verify widths, and for wide forwards of other
+    dtypes; a wide bfloat16 forward goes to the kernel, which only MLX's CUDA
+    backend can build."""
+    mx.random.seed(4)
+    args = ModelArgs.from_dict(tiny_config(num_experts=16))
+    narrow = mx.random.normal((2, MAX_VERIFY_WIDTH, args.hidden_size))
+    wide = mx.random.normal((1, MAX_VERIFY_WIDTH + 1, args.hidden_size))
+    for dtype in (mx.float32, mx.bfloat16):
+        plain = share_weights(EngineSparseMoeBlock, Qwen3NextSparseMoeBlock(args))
+        nn.quantize(plain, group_size=32, bits=4,
+                    class_predicate=lambda p, m: p.startswith("switch_mlp.") and hasattr(m, "to_quantized"))
+        plain.set_dtype(dtype)
+        given = share_weights(EngineSparseMoeBlock, plain)
+        given.prefill_kernel = True
+        assert mx.array_equal(given(narrow.astype(dtype)), plain(narrow.astype(dtype))).item()
+        if dtype == mx.float32:
+            assert mx.array_equal(given(wide), plain(wide)).item()
+    with pytest.raises(RuntimeError, match="No CUDA back-end"):
+        mx.eval(given(wide.astype(mx.bfloat16)))
