@@ -9,8 +9,9 @@ each batch size. For each it reports aggregate completion tokens per second
 over the whole dataset (prefill included) and over decoding only (the rows'
 prefill time left out), acceptance length, peak memory, and whether every
 row equals plain decoding. A cost model prices a batched step (a verify
-forward over ``B x (K+1)`` tokens against ``B x 1``, plus drafting) and
-gives engine efficiency (measured / predicted speedup over plain batching).
+forward over ``B x (K+1)`` tokens with its read-back and ragged commit,
+against a plain step over ``B x 1``; `step_costs`) and gives engine
+efficiency (measured / predicted speedup over plain batching).
 
 With ``--acceptance-profile 0.93,0.82,0.64`` (random-weight models, whose
 drafts are never right) the head still runs every step but its tokens are
@@ -209,9 +210,14 @@ def run_mlx_lm(engine, prompts, max_tokens, batch_size) -> Run:
 
 
 def step_costs(engine, prompts, batch_size: int, ks: list[int], repeats: int = 10) -> dict:
-    """Median seconds of a batched verify forward over ``[B, K+1]`` (states
-    captured, then each row keeps all but its last input), for K = 0 and each
-    K, after the rows' prefill; and of a batched MLX draft of K."""
+    """Mean seconds of a batched step over ``[B, K+1]`` as the decoder runs
+    one, for K = 0 and each K, after the rows' prefill: the forward over
+    tokens of the rows' prompts (so an MoE routes as it does on text; one
+    repeated token sends every row to the same experts), the logits read
+    back, and a ragged commit (row ``b`` keeps ``1 + b % (K+1)`` inputs, so
+    the per-row gathers run). The commit's work is lazy, as in the decoder:
+    each step's evaluation finishes the one before, and the timing ends with
+    the last commit evaluated."""
     model = engine.model
     caches = make_batch_cache(model)
     rows = [prompts[i % len(prompts)] for i in range(batch_size)]
@@ -222,23 +228,23 @@ def step_costs(engine, prompts, batch_size: int, ks: list[int], repeats: int = 1
     out = {}
     for k in [0, *ks]:
         width = k + 1
+        tokens = mx.array([[ids[(j + 1) % len(ids)] for j in range(width)] for ids in rows], dtype=mx.int32)
+        keep = [1 + b % width for b in range(batch_size)]
 
-        def forward():
+        def step():
             for c in caches:
                 if isinstance(c, StateCaptureCache) and width > 1:
                     c.begin_capture()
-            logits = engine.lm_head(model.model(mx.full((batch_size, width), 7, dtype=mx.int32), cache=caches))
-            mx.eval(logits, [c.state for c in caches])
-            commit_rows(caches, width, [max(width - 1, 1)] * batch_size)
-            mx.eval([c.state for c in caches])
+            mx.eval(engine.lm_head(model.model(tokens, cache=caches)))
+            commit_rows(caches, width, keep)
 
-        forward()
-        times = []
+        step()
+        mx.eval([c.state for c in caches])
+        t = time.perf_counter()
         for _ in range(repeats):
-            t = time.perf_counter()
-            forward()
-            times.append(time.perf_counter() - t)
-        out[k] = sorted(times)[len(times) // 2]
+            step()
+        mx.eval([c.state for c in caches])
+        out[k] = (time.perf_counter() - t) / repeats
     return out
 
 
