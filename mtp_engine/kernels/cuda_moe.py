@@ -44,17 +44,33 @@ def _features_per_warp(k: int) -> int:
     return 1 if k >= 1024 else 2
 
 
+def _activation_reason(switch) -> str | None:
+    """Why both kernels cannot run ``switch``'s activation (they compute
+    mlx-lm's SwiGLU), or None."""
+    if not isinstance(switch.activation, SwiGLU):
+        return f"experts with a {type(switch.activation).__name__} activation"
+    return None
+
+
+def _affine_reason(linear) -> str | None:
+    """Why both kernels cannot run one of the expert products ``linear``
+    (they take affine-quantized weights without a bias), or None."""
+    if getattr(linear, "mode", "affine") != "affine" or getattr(linear, "biases", None) is None:
+        return "experts not affine-quantized"
+    if "bias" in linear:
+        return "experts with a bias"
+    return None
+
+
 def fits(switch) -> str | None:
     """None when ``switch`` (an mlx-lm ``SwitchGLU``) has experts the kernel
     runs, else why not."""
-    if not isinstance(switch.activation, SwiGLU):
-        return f"experts with a {type(switch.activation).__name__} activation"
+    if why := _activation_reason(switch):
+        return why
     gate, up, down = switch.gate_proj, switch.up_proj, switch.down_proj
     for linear in (gate, up, down):
-        if getattr(linear, "mode", "affine") != "affine" or getattr(linear, "biases", None) is None:
-            return "experts not affine-quantized"
-        if "bias" in linear:
-            return "experts with a bias"
+        if why := _affine_reason(linear):
+            return why
         if linear.bits not in (4, 8):
             return f"{linear.bits}-bit experts"
         n, k = linear.output_dims, linear.input_dims
@@ -136,16 +152,13 @@ def tiles_fit(switch) -> str | None:
     experts, else why not: bfloat16 models with 4-bit affine experts whose
     inputs are whole steps of 128 and outputs whole blocks of
     ``TILE_FEATURES * TILE_WARPS``."""
-    features = {"gate_proj": TILE_FEATURES["gate_up"], "up_proj": TILE_FEATURES["gate_up"],
-                "down_proj": TILE_FEATURES["down"]}
-    if not isinstance(switch.activation, SwiGLU):
-        return f"experts with a {type(switch.activation).__name__} activation"
+    if why := _activation_reason(switch):
+        return why
     gate, up, down = switch.gate_proj, switch.up_proj, switch.down_proj
-    for name, linear in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
-        if getattr(linear, "mode", "affine") != "affine" or getattr(linear, "biases", None) is None:
-            return "experts not affine-quantized"
-        if "bias" in linear:
-            return "experts with a bias"
+    per_warp = TILE_FEATURES["gate_up"]
+    for linear, features in ((gate, per_warp), (up, per_warp), (down, TILE_FEATURES["down"])):
+        if why := _affine_reason(linear):
+            return why
         if linear.bits != 4:
             return f"{linear.bits}-bit experts"
         if linear.scales.dtype != mx.bfloat16:
@@ -153,8 +166,8 @@ def tiles_fit(switch) -> str | None:
         n, k = linear.output_dims, linear.input_dims
         if k % 128 or linear.group_size % 32:
             return f"expert inputs of {k} in groups of {linear.group_size} do not split into steps of 128"
-        if n % (features[name] * TILE_WARPS):
-            return f"expert outputs of {n} do not split over {TILE_WARPS} warps of {features[name]}"
+        if n % (features * TILE_WARPS):
+            return f"expert outputs of {n} do not split over {TILE_WARPS} warps of {features}"
     if gate.group_size != up.group_size:
         return "gate and up experts quantized differently"
     return None

@@ -30,8 +30,9 @@
   const uint32_t* wq[2] = {w0, w1};
   const ST* sc[2] = {s0, s1};
   const ST* bi[2] = {b0, b1};
-  // Row r of the warp's weights: feature n0 + 16 (r / 2) + g + 8 (r % 2).
+  // Row r of the lane's weights: feature n0 + 16 (r / 2) + g + 8 (r % 2) of expert e.
   constexpr int ROWS = 2 * FR;
+  auto weight_row = [&](int r) { return (size_t)e * N + n0 + 16 * (r >> 1) + g + 8 * (r & 1); };
 
   for (int c0 = 0; c0 < count; c0 += 8 * TILES) {
     const int tiles = min(TILES, (count - c0 + 7) / 8);
@@ -57,8 +58,7 @@
       for (int m = 0; m < MATS; ++m)
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
-          const size_t row = (size_t)e * N + n0 + 16 * (r >> 1) + g + 8 * (r & 1);
-          raw[m][r] = *reinterpret_cast<const uint4*>(wq[m] + row * WORDS + step * 16 + 4 * t);
+          raw[m][r] = *reinterpret_cast<const uint4*>(wq[m] + weight_row(r) * WORDS + step * 16 + 4 * t);
         }
     };
     load_weights(0);
@@ -71,7 +71,7 @@
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
           cur[m][r] = raw[m][r];
-          const size_t row = (size_t)e * N + n0 + 16 * (r >> 1) + g + 8 * (r & 1);
+          const size_t row = weight_row(r);
           scale[m][r] = static_cast<float>(sc[m][row * GROUPS + (w * 8) / GROUP]);
           bias[m][r] = static_cast<float>(bi[m][row * GROUPS + (w * 8) / GROUP]);
         }

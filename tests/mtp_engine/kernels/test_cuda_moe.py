@@ -24,17 +24,21 @@ ON_CUDA = is_cuda_backend()
 needs_compiler = pytest.mark.skipif(simt.compiler() is None, reason="needs a C++20 compiler for the emulator")
 
 
-def emulated(**launch):
-    """``mx.fast.cuda_kernel``'s call, run by the emulator."""
-    template = launch["template"]
-    return simt.run(cuda_moe.header(), cuda_moe.source(), cuda_moe.INPUT_NAMES, launch["inputs"],
-                    cuda_moe.OUTPUT_NAMES, template, launch["output_shapes"], launch["output_dtypes"],
-                    grid=launch["grid"], threadgroup=launch["threadgroup"])
+def runs(source, input_names) -> list:
+    """The ways to run one of the kernels: ``mx.fast.cuda_kernel``'s call
+    run by the emulator everywhere, and the kernel itself (None) on CUDA."""
+
+    def emulated(**launch):
+        return simt.run(cuda_moe.header(), source(), input_names, launch["inputs"], cuda_moe.OUTPUT_NAMES,
+                        launch["template"], launch["output_shapes"], launch["output_dtypes"],
+                        grid=launch["grid"], threadgroup=launch["threadgroup"])
+
+    return [pytest.param(emulated, id="emulated", marks=needs_compiler)] + (
+        [pytest.param(None, id="cuda")] if ON_CUDA else [])
 
 
-RUNS = [pytest.param(emulated, id="emulated", marks=needs_compiler)]
-if ON_CUDA:
-    RUNS.append(pytest.param(None, id="cuda"))
+RUNS = runs(cuda_moe.source, cuda_moe.INPUT_NAMES)
+TILE_RUNS = runs(cuda_moe.tiles_source, cuda_moe.TILE_INPUT_NAMES)
 
 
 def experts(bits: int, group_size: int, dtype, dim: int = 512, hidden: int = 512, n: int = 8) -> SwitchGLU:
@@ -45,12 +49,25 @@ def experts(bits: int, group_size: int, dtype, dim: int = 512, hidden: int = 512
     return switch
 
 
-def in_float32(switch: SwitchGLU, bits: int, group_size: int, dim: int) -> SwitchGLU:
+def in_float32(switch: SwitchGLU, bits: int, group_size: int, dim: int, hidden: int | None = None) -> SwitchGLU:
     """The same experts (their scales exactly) computed in float32."""
-    ref = experts(bits, group_size, mx.float32, dim, dim)
+    ref = experts(bits, group_size, mx.float32, dim, hidden or dim)
     ref.update(tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
                         switch.parameters()))
     return ref
+
+
+def moe_block(bits: int, dtype):
+    """An engine MoE block of the tiny config whose experts are `experts`."""
+    from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextSparseMoeBlock
+
+    from mtp_engine.io.tiny import tiny_config
+    from mtp_engine.model.moe import EngineSparseMoeBlock
+    from mtp_engine.model.swap import share_weights
+
+    block = share_weights(EngineSparseMoeBlock, Qwen3NextSparseMoeBlock(ModelArgs.from_dict(tiny_config())))
+    block.switch_mlp = experts(bits, 64, dtype)
+    return block
 
 
 def routing(dim: int, dtype, seed: int = 0):
@@ -90,21 +107,11 @@ def test_the_kernel_runs_only_the_blocks_it_fits():
     """A mixed quantization (a 3-bit expert layer beside a 4-bit one): the
     fast path is on for the block it runs and says how many; with none it
     is unavailable and names why."""
-    from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextSparseMoeBlock
-
-    from mtp_engine.io.tiny import tiny_config
     from mtp_engine.model.install import install_moe_kernel
-    from mtp_engine.model.moe import EngineSparseMoeBlock
-    from mtp_engine.model.swap import share_weights
     from mtp_engine.options import EngineOptions
 
-    def block(bits):
-        new = share_weights(EngineSparseMoeBlock, Qwen3NextSparseMoeBlock(ModelArgs.from_dict(tiny_config())))
-        new.switch_mlp = experts(bits, 64, mx.float32)
-        return new
-
     mixed, head = nn.Module(), nn.Module()
-    mixed.layers = [block(4), block(3)]
+    mixed.layers = [moe_block(4, mx.float32), moe_block(3, mx.float32)]
     status = install_moe_kernel(mixed, head, EngineOptions(), on_cuda=True)
     assert status.state == "on" and "(1 of 2 MoE blocks; the rest keep MLX's)" in status.detail
     assert [b.expert_kernel for b in mixed.layers] == [True, False]
@@ -112,18 +119,6 @@ def test_the_kernel_runs_only_the_blocks_it_fits():
     status = install_moe_kernel(mixed, head, EngineOptions(), on_cuda=True)
     assert (status.state, status.detail) == ("unavailable", "3-bit experts")
     assert not mixed.layers[0].expert_kernel
-
-
-def tiles_emulated(**launch):
-    """The prefill kernel's call, run by the emulator."""
-    return simt.run(cuda_moe.header(), cuda_moe.tiles_source(), cuda_moe.TILE_INPUT_NAMES, launch["inputs"],
-                    cuda_moe.OUTPUT_NAMES, launch["template"], launch["output_shapes"], launch["output_dtypes"],
-                    grid=launch["grid"], threadgroup=launch["threadgroup"])
-
-
-TILE_RUNS = [pytest.param(tiles_emulated, id="emulated", marks=needs_compiler)]
-if ON_CUDA:
-    TILE_RUNS.append(pytest.param(None, id="cuda"))
 
 
 def crowded_routing(tokens: int, dim: int, k: int = 3, experts_n: int = 8):
@@ -147,10 +142,7 @@ def test_prefill_kernel_gives_switch_glu_values(run):
     assert cuda_moe.tiles_fit(switch) is None
     x, indices = crowded_routing(36, dim)
     ours = cuda_moe.tiles_switch_glu(switch, x, indices, run)
-    ref = experts(4, 64, mx.float32, dim, hidden)
-    ref.update(tree_map(lambda a: a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a,
-                        switch.parameters()))
-    want = ref(x.astype(mx.float32), indices)
+    want = in_float32(switch, 4, 64, dim, hidden)(x.astype(mx.float32), indices)
     assert ours.shape == want.shape == (36, 3, dim) and ours.dtype == mx.bfloat16
     err = mx.abs(ours.astype(mx.float32) - want).max().item()
     assert err <= 2e-2 * mx.abs(want).max().item(), err
@@ -174,21 +166,11 @@ def test_prefill_kernel_fits_names_what_it_cannot_run():
 def test_the_prefill_kernel_runs_only_the_blocks_it_fits():
     """4-bit bfloat16 experts take the prefill kernel; 8-bit ones beside them
     keep MLX's products, and the status says how many."""
-    from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextSparseMoeBlock
-
-    from mtp_engine.io.tiny import tiny_config
     from mtp_engine.model.install import install_prefill_moe_kernel
-    from mtp_engine.model.moe import EngineSparseMoeBlock
-    from mtp_engine.model.swap import share_weights
     from mtp_engine.options import EngineOptions
 
-    def block(bits):
-        new = share_weights(EngineSparseMoeBlock, Qwen3NextSparseMoeBlock(ModelArgs.from_dict(tiny_config())))
-        new.switch_mlp = experts(bits, 64, mx.bfloat16)
-        return new
-
     mixed, head = nn.Module(), nn.Module()
-    mixed.layers = [block(4), block(8)]
+    mixed.layers = [moe_block(4, mx.bfloat16), moe_block(8, mx.bfloat16)]
     status = install_prefill_moe_kernel(mixed, head, EngineOptions(), on_cuda=True)
     assert status.state == "on" and "(1 of 2 MoE blocks; the rest keep MLX's)" in status.detail
     assert [b.prefill_kernel for b in mixed.layers] == [True, False]
