@@ -113,6 +113,9 @@ class EngineOptions:
             products (None: on CUDA).
         flat_quantized: Quantized products over batched rows as one matrix
             (None: on CUDA).
+        prefill_dequantized: With ``flat_quantized``, forwards wider than
+            `MAX_VERIFY_WIDTH` tokens a row (prompt prefill) take dense
+            products of the dequantized weights (None: on CUDA).
         contiguous_moe: MoE routing indices made contiguous once per block.
         moe_sort_min: With ``contiguous_moe``, sort the experts' tokens from
             this many routed (token, expert) selections (None: mlx-lm's 64 on
@@ -156,6 +159,7 @@ class EngineOptions:
     compile_head: bool | None = None
     rowwise_linears: bool | None = None
     flat_quantized: bool | None = None
+    prefill_dequantized: bool | None = None
     contiguous_moe: bool = True
     moe_sort_min: int | None = None
     grouped_moe: bool | None = None

@@ -148,8 +148,13 @@ def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOpti
 
     flat = decide("flat_quantized", options.flat_quantized, on_cuda, None, "batched rows of quantized products as one matrix")
     statuses.append(flat)
+    dequantized = decide("prefill_dequantized", options.prefill_dequantized, on_cuda,
+                         None if flat.state == "on" else "needs flat_quantized",
+                         f"4-bit products of forwards wider than {MAX_VERIFY_WIDTH} tokens a row as dense products of "
+                         "the dequantized weights")
+    statuses.append(dequantized)
     if flat.state == "on":
-        install_flat_quantized(model, head)
+        install_flat_quantized(model, head, dequantize_wide=dequantized.state == "on")
 
     if act.state == "on":
         install_fast_activations(model, head)

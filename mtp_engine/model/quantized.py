@@ -11,6 +11,14 @@ docs/BENCHMARKS.md).
 
 `FlatQuantizedLinear` flattens the leading axes before the product and
 restores them after. `EngineOptions.flat_quantized` defaults to CUDA only.
+
+Prompt prefill (forwards wider than `MAX_VERIFY_WIDTH` tokens a row) is
+compute, not weight reads: with `EngineOptions.prefill_dequantized` a
+`FlatQuantizedLinear` dequantizes its weights to the input's dtype and
+takes a dense product (the tensor cores, through cuBLAS), which MLX 0.32's
+4-bit product over many rows does not. Prefill is the same forward in every
+mode, so every mode still decodes from the same caches; decoding and
+verify widths keep ``quantized_matmul``.
 """
 
 from __future__ import annotations
@@ -21,18 +29,39 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtp_engine.model.swap import share_weights, swap_modules
+from mtp_engine.options import MAX_VERIFY_WIDTH
 
 
 class FlatQuantizedLinear(nn.QuantizedLinear):
-    """``nn.QuantizedLinear`` whose batched inputs run as one matrix."""
+    """``nn.QuantizedLinear`` whose batched inputs run as one matrix.
+
+    Attributes:
+        dequantize_wide: Forwards wider than `MAX_VERIFY_WIDTH` tokens a row
+            whose input has the scales' dtype run as a dense product of the
+            dequantized weights.
+    """
+
+    dequantize_wide: bool = False
 
     def __call__(self, x: mx.array) -> mx.array:
+        if (self.dequantize_wide and x.ndim >= 2 and x.shape[-2] > MAX_VERIFY_WIDTH
+                and x.dtype == self.scales.dtype and getattr(self, "mode", "affine") == "affine"):
+            w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+            y = x @ w.T
+            return y + self["bias"] if "bias" in self else y
         if x.ndim <= 2 or math.prod(x.shape[:-2]) == 1:
             return super().__call__(x)
         return super().__call__(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
 
-def install_flat_quantized(*modules: nn.Module) -> int:
+def install_flat_quantized(*modules: nn.Module, dequantize_wide: bool = False) -> int:
     """Swap every ``nn.QuantizedLinear`` under ``modules`` for a
-    `FlatQuantizedLinear` sharing its weights; returns how many."""
-    return swap_modules(modules, {nn.QuantizedLinear: lambda layer: share_weights(FlatQuantizedLinear, layer)})
+    `FlatQuantizedLinear` sharing its weights (``dequantize_wide`` as
+    given); returns how many."""
+
+    def swap(layer):
+        new = share_weights(FlatQuantizedLinear, layer)
+        new.dequantize_wide = dequantize_wide
+        return new
+
+    return swap_modules(modules, {nn.QuantizedLinear: swap})

@@ -350,7 +350,7 @@ def test_a_job_logs_one_line_per_fast_path(tmp_path, job_model, job_engine):
                        max_tokens=4), engine=job_engine, stream=log)
     lines = [line for line in log.getvalue().splitlines() if line.startswith("fast path ")]
     names = [line.split()[2].rstrip(":") for line in lines]
-    assert set(names) == {s.name for s in job_engine.fast_paths} and len(names) == len(set(names)) == len(job_engine.fast_paths) == 17
+    assert set(names) == {s.name for s in job_engine.fast_paths} and len(names) == len(set(names)) == len(job_engine.fast_paths) == 18
 
 
 def test_batched_speculation_writes_the_rows_one_at_a_time_writes(tmp_path, job_model, job_engine):

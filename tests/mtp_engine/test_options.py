@@ -16,7 +16,8 @@ from mtp_engine.options import ENVIRONMENT
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST_PATHS = {"cpu_blas", "cpu_recurrence", "cpu_activations", "cpp_drafter", "cuda_recurrence",
-              "cuda_chain_drafter", "compile_layers", "compile_head", "rowwise_linears", "flat_quantized", "contiguous_moe",
+              "cuda_chain_drafter", "compile_layers", "compile_head", "rowwise_linears", "flat_quantized", "prefill_dequantized",
+              "contiguous_moe",
               "grouped_moe", "moe_kernel", "prefill_moe_kernel", "layer_dispatch",
               "state_capture", "cudnn_attention"}
 

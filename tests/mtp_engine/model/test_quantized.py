@@ -1,6 +1,8 @@
 """`flat_quantized`: batched rows of quantized products run as one matrix,
 with the bits of the unflattened product; a quantized engine with it decodes
-exactly as without it."""
+exactly as without it. `prefill_dequantized`: only forwards wider than any
+verify forward (prompt prefill) take dense products of the dequantized
+weights, and every mode still decodes alike."""
 
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ import mlx.nn as nn
 import pytest
 
 from mtp_engine import MTPEngine
+from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.io.convert import main as convert_main
 from mtp_engine.io.tiny import make_tiny_checkpoint, tiny_qwen35_config
 from mtp_engine.model.quantized import FlatQuantizedLinear, install_flat_quantized
-from mtp_engine.options import is_cuda_backend
+from mtp_engine.options import MAX_VERIFY_WIDTH, is_cuda_backend
 from tests.conftest import PROMPTS
 
 ON_CUDA = is_cuda_backend()
@@ -31,6 +34,34 @@ def test_flat_product_equals_the_batched_one(shape):
     x = mx.random.normal(shape, key=mx.random.key(1))
     ours, theirs = flat(x), layer(x)
     assert ours.shape == theirs.shape and mx.array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_only_wide_forwards_take_the_dequantized_product(bias):
+    layer = nn.QuantizedLinear(128, 96, bias=bias, group_size=64, bits=4)
+    layer.set_dtype(mx.bfloat16)
+    model = nn.Module()
+    model.proj = layer
+    install_flat_quantized(model, dequantize_wide=True)
+    ours = model.proj
+    assert ours.dequantize_wide
+    w = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=64, bits=4)
+    for shape in ((1, 1, 128), (4, 4, 128), (1, MAX_VERIFY_WIDTH, 128), (2, MAX_VERIFY_WIDTH + 1, 128), (1, 64, 128)):
+        x = mx.random.normal(shape, key=mx.random.key(shape[1])).astype(mx.bfloat16)
+        y = ours(x)
+        if shape[1] <= MAX_VERIFY_WIDTH:  # decoding and verify widths: the quantized product's bits
+            assert mx.array_equal(y, layer(x)), shape
+        else:
+            dense = x @ w.T + (layer.bias if bias else 0)
+            assert mx.array_equal(y, dense), shape
+            if not ON_CUDA:  # a different product here (so the check above can fail); MLX's CUDA one may agree
+                assert not mx.array_equal(y, layer(x))
+            # Within bfloat16 rounding of the product in float32 (on the CPU closer than MLX's 4-bit one).
+            exact = x.astype(mx.float32) @ w.astype(mx.float32).T + (layer.bias.astype(mx.float32) if bias else 0)
+            assert mx.abs(y.astype(mx.float32) - exact).max().item() < 0.01 * mx.abs(exact).max().item()
+    # An input in another dtype than the weights' scales keeps the quantized product.
+    x = mx.random.normal((1, 64, 128), key=mx.random.key(9))
+    assert mx.array_equal(ours(x), layer(x))
 
 
 def test_install_swaps_quantized_linears_only():
@@ -56,7 +87,7 @@ def quantized_folder(tmp_path_factory):
 
 
 def test_the_default_follows_the_backend_and_batched_decoding_is_unchanged(quantized_folder):
-    on = MTPEngine.load(quantized_folder, flat_quantized=True)
+    on = MTPEngine.load(quantized_folder, flat_quantized=True, prefill_dequantized=False)
     off = MTPEngine.load(quantized_folder, flat_quantized=False)
     default = MTPEngine.load(quantized_folder)
     state = {s.name: s.state for s in default.fast_paths}["flat_quantized"]
@@ -67,3 +98,27 @@ def test_the_default_follows_the_backend_and_batched_decoding_is_unchanged(quant
         a = on.generate_batch(PROMPTS[:6], batch_size=4, max_tokens=24, mode=mode, draft_tokens=k or 1)
         b = off.generate_batch(PROMPTS[:6], batch_size=4, max_tokens=24, mode=mode, draft_tokens=k or 1)
         assert [r.tokens for r in a] == [r.tokens for r in b]
+
+
+def test_dequantized_prefill_is_shared_by_every_mode(quantized_folder):
+    default = MTPEngine.load(quantized_folder)
+    assert {s.name: s.state for s in default.fast_paths}["prefill_dequantized"] == ("on" if ON_CUDA else "off")
+    unflat = MTPEngine.load(quantized_folder, flat_quantized=False, prefill_dequantized=True)
+    status = {s.name: s for s in unflat.fast_paths}["prefill_dequantized"]
+    assert (status.state, status.detail) == ("unavailable", "needs flat_quantized")
+    engine = MTPEngine.load(quantized_folder, flat_quantized=True, prefill_dequantized=True)
+    linears = [m for _, m in engine.model.named_modules() if isinstance(m, FlatQuantizedLinear)]
+    assert linears and all(m.dequantize_wide for m in linears)
+    # Prompts of 30-60 tokens: their prefill takes the dense products.
+    prompts = [" ".join([p] * (6 + 3 * i)) for i, p in enumerate(PROMPTS[:5])]
+    assert all(len(engine.tokenizer.encode(p)) > MAX_VERIFY_WIDTH + 1 for p in prompts)
+    plain = [engine.generate(p, max_tokens=20, mode="baseline").tokens for p in prompts]
+    assert [engine.generate(p, max_tokens=20, mode="chain", draft_tokens=3).tokens for p in prompts] == plain
+    batched = engine.generate_batch(prompts, batch_size=3, max_tokens=20, mode="chain", draft_tokens=2)
+    assert [r.tokens for r in batched] == plain
+    # The prefill did take the other product: its logits differ in the last bits from the quantized one's.
+    off = MTPEngine.load(quantized_folder, flat_quantized=True, prefill_dequantized=False)
+    ids = engine.tokenizer.encode(prompts[0])
+    logits = [e.prefill(ids, make_main_cache(e.model), False)[1] for e in (engine, off)]
+    assert not mx.array_equal(*logits)
+    assert mx.allclose(*logits, atol=1e-2 * mx.abs(logits[1]).max().item())
