@@ -18,7 +18,8 @@ compute, not weight reads: with `EngineOptions.prefill_dequantized` a
 takes a dense product (the tensor cores, through cuBLAS), which MLX 0.32's
 4-bit product over many rows does not. Prefill is the same forward in every
 mode, so every mode still decodes from the same caches; decoding and
-verify widths keep ``quantized_matmul``.
+verify widths keep ``quantized_matmul``. Only products of at least
+`DENSE_MIN_WEIGHTS` weights take it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ import mlx.nn as nn
 
 from mtp_engine.model.swap import share_weights, swap_modules
 from mtp_engine.options import MAX_VERIFY_WIDTH
+
+DENSE_MIN_WEIGHTS = 1 << 22
+"""Fewest weights (inputs x outputs) of a product that `prefill_dequantized`
+makes dense. On the H200 over 1K rows (MLX 0.32.4, bfloat16, 4-bit):
+2048 x 12288 0.47 -> 0.24 ms, 4096 x 2048 0.21 -> 0.12, 2048 x 1024 0.094
+-> 0.097, 2048 x 512 0.077 -> 0.091 (docs/BENCHMARKS.md)."""
 
 
 class FlatQuantizedLinear(nn.QuantizedLinear):
@@ -56,12 +63,13 @@ class FlatQuantizedLinear(nn.QuantizedLinear):
 
 def install_flat_quantized(*modules: nn.Module, dequantize_wide: bool = False) -> int:
     """Swap every ``nn.QuantizedLinear`` under ``modules`` for a
-    `FlatQuantizedLinear` sharing its weights (``dequantize_wide`` as
-    given); returns how many."""
+    `FlatQuantizedLinear` sharing its weights (``dequantize_wide`` for
+    those of at least `DENSE_MIN_WEIGHTS` weights); returns how many."""
 
     def swap(layer):
         new = share_weights(FlatQuantizedLinear, layer)
-        new.dequantize_wide = dequantize_wide
+        outputs, packed = layer.weight.shape[-2:]
+        new.dequantize_wide = dequantize_wide and outputs * packed * 32 // layer.bits >= DENSE_MIN_WEIGHTS
         return new
 
     return swap_modules(modules, {nn.QuantizedLinear: swap})

@@ -14,7 +14,11 @@ from mtp_engine import MTPEngine
 from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.io.convert import main as convert_main
 from mtp_engine.io.tiny import make_tiny_checkpoint, tiny_qwen35_config
-from mtp_engine.model.quantized import FlatQuantizedLinear, install_flat_quantized
+from mtp_engine.model.quantized import (
+    DENSE_MIN_WEIGHTS,
+    FlatQuantizedLinear,
+    install_flat_quantized,
+)
 from mtp_engine.options import MAX_VERIFY_WIDTH, is_cuda_backend
 from tests.conftest import PROMPTS
 
@@ -44,7 +48,8 @@ def test_only_wide_forwards_take_the_dequantized_product(bias):
     model.proj = layer
     install_flat_quantized(model, dequantize_wide=True)
     ours = model.proj
-    assert ours.dequantize_wide
+    assert not ours.dequantize_wide  # too small a product to gain (DENSE_MIN_WEIGHTS)
+    ours.dequantize_wide = True
     w = mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=64, bits=4)
     for shape in ((1, 1, 128), (4, 4, 128), (1, MAX_VERIFY_WIDTH, 128), (2, MAX_VERIFY_WIDTH + 1, 128), (1, 64, 128)):
         x = mx.random.normal(shape, key=mx.random.key(shape[1])).astype(mx.bfloat16)
@@ -62,6 +67,20 @@ def test_only_wide_forwards_take_the_dequantized_product(bias):
     # An input in another dtype than the weights' scales keeps the quantized product.
     x = mx.random.normal((1, 64, 128), key=mx.random.key(9))
     assert mx.array_equal(ours(x), layer(x))
+
+
+def test_only_large_products_are_made_dense():
+    model = nn.Module()
+    model.large = nn.QuantizedLinear(2048, DENSE_MIN_WEIGHTS // 2048, group_size=64, bits=4)
+    model.small = nn.QuantizedLinear(2048, DENSE_MIN_WEIGHTS // 2048 - 64, group_size=64, bits=4)
+    model.eight = nn.QuantizedLinear(1024, DENSE_MIN_WEIGHTS // 1024, group_size=64, bits=8)
+    install_flat_quantized(model, dequantize_wide=True)
+    assert (model.large.dequantize_wide, model.small.dequantize_wide, model.eight.dequantize_wide) == (True, False, True)
+    install_flat_quantized(model)  # already swapped: left as they are
+    other = nn.Module()
+    other.large = nn.QuantizedLinear(2048, DENSE_MIN_WEIGHTS // 2048, group_size=64, bits=4)
+    install_flat_quantized(other)
+    assert not other.large.dequantize_wide
 
 
 def test_install_swaps_quantized_linears_only():
@@ -108,7 +127,9 @@ def test_dequantized_prefill_is_shared_by_every_mode(quantized_folder):
     assert (status.state, status.detail) == ("unavailable", "needs flat_quantized")
     engine = MTPEngine.load(quantized_folder, flat_quantized=True, prefill_dequantized=True)
     linears = [m for _, m in engine.model.named_modules() if isinstance(m, FlatQuantizedLinear)]
-    assert linears and all(m.dequantize_wide for m in linears)
+    assert linears and not any(m.dequantize_wide for m in linears)  # the tiny model's products are all small
+    for m in linears:  # as a large model's would be
+        m.dequantize_wide = True
     # Prompts of 30-60 tokens: their prefill takes the dense products.
     prompts = [" ".join([p] * (6 + 3 * i)) for i, p in enumerate(PROMPTS[:5])]
     assert all(len(engine.tokenizer.encode(p)) > MAX_VERIFY_WIDTH + 1 for p in prompts)
