@@ -51,8 +51,7 @@ class FlatQuantizedLinear(nn.QuantizedLinear):
     dequantize_wide: bool = False
 
     def __call__(self, x: mx.array) -> mx.array:
-        if (self.dequantize_wide and x.ndim >= 2 and x.shape[-2] > MAX_VERIFY_WIDTH
-                and x.dtype == self.scales.dtype and getattr(self, "mode", "affine") == "affine"):
+        if self.dequantize_wide and x.ndim >= 2 and x.shape[-2] > MAX_VERIFY_WIDTH and x.dtype == self.scales.dtype:
             w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
             y = x @ w.T
             return y + self["bias"] if "bias" in self else y
@@ -64,12 +63,14 @@ class FlatQuantizedLinear(nn.QuantizedLinear):
 def install_flat_quantized(*modules: nn.Module, dequantize_wide: bool = False) -> int:
     """Swap every ``nn.QuantizedLinear`` under ``modules`` for a
     `FlatQuantizedLinear` sharing its weights (``dequantize_wide`` for
-    those of at least `DENSE_MIN_WEIGHTS` weights); returns how many."""
+    affine-quantized ones of at least `DENSE_MIN_WEIGHTS` weights); returns
+    how many."""
 
     def swap(layer):
         new = share_weights(FlatQuantizedLinear, layer)
         outputs, packed = layer.weight.shape[-2:]
-        new.dequantize_wide = dequantize_wide and outputs * packed * 32 // layer.bits >= DENSE_MIN_WEIGHTS
+        affine = getattr(layer, "mode", "affine") == "affine"
+        new.dequantize_wide = dequantize_wide and affine and outputs * packed * 32 // layer.bits >= DENSE_MIN_WEIGHTS
         return new
 
     return swap_modules(modules, {nn.QuantizedLinear: swap})

@@ -74,8 +74,10 @@ def test_only_large_products_are_made_dense():
     model.large = nn.QuantizedLinear(2048, DENSE_MIN_WEIGHTS // 2048, group_size=64, bits=4)
     model.small = nn.QuantizedLinear(2048, DENSE_MIN_WEIGHTS // 2048 - 64, group_size=64, bits=4)
     model.eight = nn.QuantizedLinear(1024, DENSE_MIN_WEIGHTS // 1024, group_size=64, bits=8)
+    model.fp4 = nn.QuantizedLinear(2048, DENSE_MIN_WEIGHTS // 2048, group_size=32, bits=4, mode="mxfp4")  # not affine
     install_flat_quantized(model, dequantize_wide=True)
-    assert (model.large.dequantize_wide, model.small.dequantize_wide, model.eight.dequantize_wide) == (True, False, True)
+    assert (model.large.dequantize_wide, model.small.dequantize_wide, model.eight.dequantize_wide,
+            model.fp4.dequantize_wide) == (True, False, True, False)
     install_flat_quantized(model)  # already swapped: left as they are
     other = nn.Module()
     other.large = nn.QuantizedLinear(2048, DENSE_MIN_WEIGHTS // 2048, group_size=64, bits=4)
