@@ -5,8 +5,8 @@
 # its result file into $OUT (default benchmarks/results); copy them into
 # benchmarks/results/ to make them current.
 #
-#   bash benchmarks/h200.sh tests      # the GPU-only tests (kernels on the device, RoPE launches), batched / sampled exactness on CUDA
-#                                      # (~4 min warm, more cold; not test_quantized.py: MLX bugs, docs/BACKENDS.md)
+#   bash benchmarks/h200.sh tests      # the GPU-only tests (kernels on the device, RoPE launches, quantized products), batched /
+#                                      # sampled exactness on CUDA (~5 min warm, more cold)
 #   bash benchmarks/h200.sh shipped    # shipped model, bf16, every chain depth one prompt at a time -> h200-shipped.json
 #   bash benchmarks/h200.sh dataset    # shipped model over a dataset: plain, single chain, mlx-lm and our batching,
 #                                      # batched chains B=8..32 K=1..4, all prompts then loop-free -> h200-dataset*.json
@@ -44,6 +44,7 @@ case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths,
   tests)
     timeout "${LIMIT:-480}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
       tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/model/test_dispatch.py tests/mtp_engine/model/test_rope.py \
+      tests/mtp_engine/model/test_quantized.py \
       tests/mtp_engine/test_batched.py tests/mtp_engine/test_sampling.py \
       2>&1 | tail -15 ;;
   shipped)

@@ -134,15 +134,21 @@ class EngineSparseMoeBlock(Qwen3NextSparseMoeBlock):
     expert_kernel: bool = False
     prefill_kernel: bool = False
 
-    def __call__(self, x: mx.array) -> mx.array:
-        if self.sharding_group is not None:  # the distributed path stays mlx-lm's
-            return super().__call__(x)
+    def route(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """Each token's ``top_k`` experts (contiguous ``[..., k]`` indices)
+        and their scores, as mlx-lm's block routes."""
         gates = mx.softmax(self.gate(x), axis=-1, precise=True)
         k = self.top_k
         inds = mx.contiguous(mx.stop_gradient(mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]))
         scores = mx.take_along_axis(gates, inds, axis=-1)
         if self.norm_topk_prob:
             scores = scores / scores.sum(axis=-1, keepdims=True)
+        return inds, scores
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.sharding_group is not None:  # the distributed path stays mlx-lm's
+            return super().__call__(x)
+        inds, scores = self.route(x)
         narrow = x.ndim < 2 or x.shape[-2] <= MAX_VERIFY_WIDTH
         if self.expert_kernel and narrow:
             # Imported here: the kernels are only installed on CUDA backends.

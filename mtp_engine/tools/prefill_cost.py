@@ -10,8 +10,9 @@ length, each evaluated and waited for:
 - one gated-delta decoder layer, its mixer, the recurrence alone (the path
   the engine chose for it) and its input projections;
 - one attention decoder layer and its mixer;
-- the MLP half (MoE: the block, its router, its shared expert, the routed
-  experts' products in the tensor-core kernel where the block runs it
+- the MLP half (MoE: the block, its routing (softmax, top-k and scores,
+  `EngineSparseMoeBlock.route`), its shared expert, the routed experts'
+  products in the tensor-core kernel where the block runs it
   (`EngineOptions.prefill_moe_kernel`), and grouped in blocks of each
   ``--block-rows`` as `mtp_engine.model.moe.grouped_switch_glu` runs them
   without it).
@@ -32,7 +33,7 @@ import mlx.core as mx
 from mtp_engine.cache.capture import EngineKVCache, StateCaptureCache, make_main_cache
 from mtp_engine.kernels import recurrence as rec
 from mtp_engine.model.gated_delta import projections, recurrence_path
-from mtp_engine.model.moe import grouped_switch_glu
+from mtp_engine.model.moe import EngineSparseMoeBlock, grouped_switch_glu
 
 
 def _ms(run: Callable[[], object], repeats: int) -> float:
@@ -84,11 +85,10 @@ def prefill_cost_suite(engine, prompt: list[int], block_rows: list[int], repeats
     mx.eval(x)
     pieces["mlp"] = _ms(lambda: mlp(x), repeats)
     blocks = {}
-    if hasattr(mlp, "switch_mlp"):  # an MoE block
-        pieces["router"] = _ms(lambda: mx.argpartition(mlp.gate(x), kth=-mlp.top_k, axis=-1), repeats)
+    if isinstance(mlp, EngineSparseMoeBlock):  # an MoE block (with contiguous_moe, the default)
+        pieces["router"] = _ms(lambda: mlp.route(x), repeats)
         pieces["shared_expert"] = _ms(lambda: mlp.shared_expert(x), repeats)
-        gates = mx.softmax(mlp.gate(x), axis=-1, precise=True)
-        inds = mx.contiguous(mx.argpartition(gates, kth=-mlp.top_k, axis=-1)[..., -mlp.top_k:])
+        inds = mlp.route(x)[0]
         mx.eval(inds)
         if getattr(mlp, "prefill_kernel", False):
             from mtp_engine.kernels import cuda_moe

@@ -212,3 +212,18 @@ def test_dataset_suite_refuses_bad_prefill_ahead(tiny_path, capsys, flags, messa
     with pytest.raises(SystemExit) as exit_:
         main(["--model", str(tiny_path), "--suite", "dataset", *flags])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_interleaved_rounds_draw_acceptances_of_their_own(tiny_engine):
+    # Projected single-sequence chains: each round draws with seeds of its
+    # own (one draw over one prompt can sit well off the profile, so rounds
+    # average several draws), and the outputs still equal plain decoding.
+    from mtp_engine.tools.dataset_bench import run_singles_interleaved
+
+    ids = list(range(3, 40))
+    reference = tiny_engine.generate(ids, max_tokens=40, mode="baseline").tokens
+    one = run_singles_interleaved(tiny_engine, [ids], 40, [3], [reference], (0.6,), rounds=1)[1]
+    four = run_singles_interleaved(tiny_engine, [ids], 40, [3], [reference], (0.6,), rounds=4)[1]
+    assert one.tokens == len(reference) >= 20 and four.tokens == 4 * one.tokens
+    assert four.steps != 4 * one.steps  # the same draws each round would take exactly four times the steps
+    assert one.outputs == four.outputs == [reference]
