@@ -150,9 +150,8 @@ def run_singles_interleaved(engine, prompts, max_tokens, ks: list[int], referenc
 
     With a profile each round draws its acceptances with seeds of its own
     (every chain of a round the same ones): over one prompt, one draw of
-    about forty steps can sit a tenth below what the profile implies (the
-    ninth to eleventh sessions' K = 3 runs all drew 3.10 tokens a step
-    where the profile gives 3.37), so the rounds average several."""
+    about forty steps can sit a tenth or more off what the profile implies
+    (docs/BENCHMARKS.md), so the rounds average several."""
     runs = [Run("plain, one at a time", 1, 0)] + [Run("single-sequence chain", 1, k) for k in ks]
     for r in range(rounds):
         projections = {k: _projections(engine, len(prompts), references if k else None, profile, r * len(prompts))
