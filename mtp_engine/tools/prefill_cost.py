@@ -90,7 +90,7 @@ def prefill_cost_suite(engine, prompt: list[int], block_rows: list[int], repeats
         pieces["shared_expert"] = _ms(lambda: mlp.shared_expert(x), repeats)
         inds = mlp.route(x)[0]
         mx.eval(inds)
-        if getattr(mlp, "prefill_kernel", False):
+        if mlp.prefill_kernel:
             from mtp_engine.kernels import cuda_moe
 
             pieces["experts_tensor_cores"] = _ms(lambda: cuda_moe.tiles_switch_glu(mlp.switch_mlp, x, inds), repeats)
