@@ -21,6 +21,8 @@ between steps; a joining row can take the place of one that left
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
@@ -52,8 +54,9 @@ class BatchKVCache:
 
     @property
     def offset(self) -> mx.array:
-        """Per-row RoPE offsets of the next forward's first input, ``[B]``."""
-        return mx.array(self.positions, dtype=mx.int32)
+        """Per-row RoPE offsets of the next forward's first input, ``[B]``
+        (`host_array`: every layer of a forward shares one)."""
+        return host_array(tuple(self.positions))
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """The attention mask of the next forward over ``N`` inputs per row:
@@ -126,7 +129,7 @@ class BatchKVCache:
         if all(k == width for k in keep):
             return
         start = self.idx - width
-        self.valid[:, start : self.idx] = mx.arange(width)[None] < mx.array(keep)[:, None]
+        self.valid[:, start : self.idx] = mx.arange(width)[None] < host_array(tuple(keep))[:, None]
         self.holes = True
 
     def rewind(self, idx: int, positions: list[int]) -> None:
@@ -237,6 +240,16 @@ class BatchKVCache:
             self.idx, self.holes = 0, False
             return
         self.trim_leading()  # leading entries that every remaining row has as holes go
+
+
+@lru_cache(maxsize=8)
+def host_array(values: tuple[int, ...]) -> mx.array:
+    """``values`` as an int32 array, made once for equal values: each layer's
+    cache asks for the same RoPE offsets (and keep counts) in a forward, and
+    on MLX's CUDA backend an array made from host values cost about 0.2 ms
+    (H200, cProfile of a B=32 chain step: 28 offsets a step). Arrays are
+    values (nothing writes into these), so sharing them is safe."""
+    return mx.array(values, dtype=mx.int32)
 
 
 def single_to_batch(cache: KVCache) -> BatchKVCache:
