@@ -24,6 +24,8 @@
 #                                      # decoder layer kind and the MLP alone -> h200-80b-host.json
 #   bash benchmarks/h200.sh 80b-graph-ops # 80b-b8's suite (single chains K=3, 4 on the first prompt) in four processes,
 #                                      # MLX's CUDA graphs of 200 kernels / MLX's default (20) / 200 / 20 -> h200-80b-graph-ops-*.json
+#   bash benchmarks/h200.sh 80b-graph-cache # 80b's B=32 suite (K=3) in four processes, MLX keeping at most 100
+#                                      # (its default) / 1000 / 100 / 1000 CUDA graphs -> h200-80b-graph-cache-*.json
 #   bash benchmarks/h200.sh 80b-prefill # one 1K-token 80B prefill and its pieces alone (layers, mixers, recurrence,
 #                                      # MoE parts, the expert products on the tensor cores and in blocks of 8-64
 #                                      # rows) -> h200-80b-prefill.json
@@ -40,7 +42,19 @@ out=${OUT:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH=/root/site:$PWD
 bench="python3 -u -m mtp_engine.bench"
-case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-ahead, 80b-host, 80b-graph-ops, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
+
+# per_process VAR NAME "VALUE:TAG ..." ARGS...: 80B shapes at the target settings (1K-token prompts, 128 tokens,
+# profile 0.93,0.82,0.64) with ARGS, one process per environment setting VAR=VALUE, in the order given.
+per_process() {
+  local var=$1 name=$2 runs=$3 run
+  shift 3
+  for run in $runs; do
+    env "$var=${run%%:*}" timeout "${LIMIT:-150}" $bench --synthetic 80b --suite dataset \
+      --acceptance-profile 0.93,0.82,0.64 --max-tokens 128 --contexts 1024 --single-limit 1 --no-mlx-lm-batch "$@" \
+      --json "$out/h200-80b-$name-${run%%:*}${run#*:}.json" 2>&1 | grep -v "^round" | tail -7
+  done
+}
+case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-ahead, 80b-host, 80b-graph-ops, 80b-graph-cache, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
     timeout "${LIMIT:-480}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
       tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/model/test_dispatch.py tests/mtp_engine/model/test_rope.py \
@@ -66,13 +80,14 @@ case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths,
   80b|80b-b8|80b-depths|80b-phases|80b-8k|80b-ahead)
     # The issue's target settings: prompts of 1K tokens x 128 new tokens, drafts projected at profile
     # 0.93,0.82,0.64. 80b: 32 prompts at B=32, K=2 and 3 (~180 s); 80b-b8: 16 prompts at B=8 (~110 s); one-at-a-time
-    # decoding on the first prompt, the rest of the reference from plain batching. 80b-depths: single-sequence
+    # decoding on the first prompt (plain and chain K=3, 2 rounds interleaved, after the batched reference run), the
+    # rest of the reference from plain batching. 80b-depths: single-sequence
     # chains K=3..8 and plain decoding on 1 prompt, 3 rounds interleaved (~90 s). 80b-phases: 80b with each decoder phase timed. One call each.
     ctx=1024
     case "$1" in
       80b-8k) ctx=8192; args="--limit 8 --batch-sizes 8 --draft-tokens 3 --single-k 3 --single-limit 1 --phase-times" ;;
-      80b) args="--limit 32 --batch-sizes 32 --draft-tokens 2 3 --single-k 3 --single-limit 1" ;;
-      80b-b8) args="--limit 16 --batch-sizes 8 --draft-tokens 3 --single-k 3 --single-limit 1" ;;
+      80b) args="--limit 32 --batch-sizes 32 --draft-tokens 2 3 --single-k 3 --single-limit 1 --single-rounds 2" ;;
+      80b-b8) args="--limit 16 --batch-sizes 8 --draft-tokens 3 --single-k 3 --single-limit 1 --single-rounds 2" ;;
       80b-depths) args="--limit 1 --batch-sizes --single-k 3 4 6 8 --single-rounds 3" ;;
       80b-phases) args="--limit 32 --batch-sizes 32 --draft-tokens 3 --single-k 3 --single-limit 1 --phase-times" ;;
       80b-ahead) args="--limit 32 --batch-sizes 8 32 --draft-tokens 3 --single-k 3 --single-limit 1 --prefill-ahead 0 2" ;;
@@ -82,12 +97,14 @@ case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths,
   80b-graph-ops)
     # MLX_MAX_OPS_PER_BUFFER is read once per process (at its first GPU evaluation), so each setting is a process
     # of its own; alternating them puts a drifting host speed on both. ~75 s each once MLX's kernels are compiled.
-    for run in 200:a 20:b 200:c 20:d; do
-      MLX_MAX_OPS_PER_BUFFER=${run%%:*} timeout "${LIMIT:-150}" $bench --synthetic 80b --suite dataset \
-        --acceptance-profile 0.93,0.82,0.64 --max-tokens 128 --contexts 1024 --limit 16 --batch-sizes 8 --draft-tokens 3 \
-        --single-k 3 4 --single-limit 1 --no-mlx-lm-batch --json "$out/h200-80b-graph-ops-${run%%:*}${run#*:}.json" \
-        2>&1 | grep -v "^round" | tail -7
-    done ;;
+    per_process MLX_MAX_OPS_PER_BUFFER graph-ops "200:a 20:b 200:c 20:d" --limit 16 --batch-sizes 8 --draft-tokens 3 \
+      --single-k 3 4 ;;
+  80b-graph-cache)
+    # MLX's CUDA backend keeps the graphs it instantiated keyed by their shape, and when it holds more than
+    # MLX_CUDA_GRAPH_CACHE_SIZE (default 100) it drops them all; a step that launches more distinct graphs than that
+    # instantiates every one afresh. Read once per process, so one process per setting, alternating (~90 s each).
+    per_process MLX_CUDA_GRAPH_CACHE_SIZE graph-cache "100:a 1000:b 100:c 1000:d" --limit 32 --batch-sizes 32 \
+      --draft-tokens 3 --single-k 3 ;;
   80b-prefill)
     timeout "${LIMIT:-200}" $bench --synthetic 80b --suite prefill-cost --contexts 1024 --block-rows 8 16 32 64 \
       --json "$out/h200-80b-prefill.json" ;;
