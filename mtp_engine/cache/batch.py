@@ -247,8 +247,8 @@ def host_array(values: tuple[int, ...]) -> mx.array:
     """``values`` as an int32 array, made once for equal values: each layer's
     cache asks for the same RoPE offsets (and keep counts) in a forward, and
     on MLX's CUDA backend an array made from host values cost about 0.2 ms
-    (H200, cProfile of a B=32 chain step: 28 offsets a step). Arrays are
-    values (nothing writes into these), so sharing them is safe."""
+    (H200, cProfile of a B=32 chain step: 28 offsets a step). Shared, so
+    nothing may update one in place (``+=`` or a slice assignment on it)."""
     return mx.array(values, dtype=mx.int32)
 
 
