@@ -24,8 +24,8 @@
 #                                      # decoder layer kind and the MLP alone -> h200-80b-host.json
 #   bash benchmarks/h200.sh 80b-graph-ops # 80b-b8's suite (single chains K=3, 4 on the first prompt) in four processes,
 #                                      # MLX's CUDA graphs of 200 kernels / MLX's default (20) / 200 / 20 -> h200-80b-graph-ops-*.json
-#   bash benchmarks/h200.sh 80b-graph-cache # 80b's B=32 suite (K=3) in four processes, MLX keeping at most 100
-#                                      # (its default) / 1000 / 100 / 1000 CUDA graphs -> h200-80b-graph-cache-*.json
+#   bash benchmarks/h200.sh 80b-graph-cache # 80b's B=32 suite (K=3) in four processes, MLX keeping at most 100 /
+#                                      # 1000 / 100 / 1000 CUDA graphs (its default: 400) -> h200-80b-graph-cache-*.json
 #   bash benchmarks/h200.sh 80b-prefill # one 1K-token 80B prefill and its pieces alone (layers, mixers, recurrence,
 #                                      # MoE parts, the expert products on the tensor cores and in blocks of 8-64
 #                                      # rows) -> h200-80b-prefill.json
@@ -79,15 +79,16 @@ case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths,
       --json "$out/h200-lossless.json" 2>&1 | tail -20 ;;
   80b|80b-b8|80b-depths|80b-phases|80b-8k|80b-ahead)
     # The issue's target settings: prompts of 1K tokens x 128 new tokens, drafts projected at profile
-    # 0.93,0.82,0.64. 80b: 32 prompts at B=32, K=2 and 3 (~180 s); 80b-b8: 16 prompts at B=8 (~110 s); one-at-a-time
-    # decoding on the first prompt (plain and chain K=3, 2 rounds interleaved, after the batched reference run), the
-    # rest of the reference from plain batching. 80b-depths: single-sequence
+    # 0.93,0.82,0.64. 80b: 32 prompts at B=32, K=2 and 3 (~220 s); 80b-b8: 16 prompts at B=8 (~140 s); the batched
+    # runs twice, the second round starting one mode later; one-at-a-time decoding on the first prompt (plain and
+    # chain K=3, 2 rounds interleaved, after the batched reference run), the rest of the reference from plain
+    # batching. 80b-depths: single-sequence
     # chains K=3..8 and plain decoding on 1 prompt, 3 rounds interleaved (~90 s). 80b-phases: 80b with each decoder phase timed. One call each.
     ctx=1024
     case "$1" in
       80b-8k) ctx=8192; args="--limit 8 --batch-sizes 8 --draft-tokens 3 --single-k 3 --single-limit 1 --phase-times" ;;
-      80b) args="--limit 32 --batch-sizes 32 --draft-tokens 2 3 --single-k 3 --single-limit 1 --single-rounds 2" ;;
-      80b-b8) args="--limit 16 --batch-sizes 8 --draft-tokens 3 --single-k 3 --single-limit 1 --single-rounds 2" ;;
+      80b) args="--limit 32 --batch-sizes 32 --draft-tokens 2 3 --single-k 3 --single-limit 1 --single-rounds 2 --batch-rounds 2" ;;
+      80b-b8) args="--limit 16 --batch-sizes 8 --draft-tokens 3 --single-k 3 --single-limit 1 --single-rounds 2 --batch-rounds 2" ;;
       80b-depths) args="--limit 1 --batch-sizes --single-k 3 4 6 8 --single-rounds 3" ;;
       80b-phases) args="--limit 32 --batch-sizes 32 --draft-tokens 3 --single-k 3 --single-limit 1 --phase-times" ;;
       80b-ahead) args="--limit 32 --batch-sizes 8 32 --draft-tokens 3 --single-k 3 --single-limit 1 --prefill-ahead 0 2" ;;
@@ -100,9 +101,9 @@ case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths,
     per_process MLX_MAX_OPS_PER_BUFFER graph-ops "200:a 20:b 200:c 20:d" --limit 16 --batch-sizes 8 --draft-tokens 3 \
       --single-k 3 4 ;;
   80b-graph-cache)
-    # MLX's CUDA backend keeps the graphs it instantiated keyed by their shape, and when it holds more than
-    # MLX_CUDA_GRAPH_CACHE_SIZE (default 100) it drops them all; a step that launches more distinct graphs than that
-    # instantiates every one afresh. Read once per process, so one process per setting, alternating (~90 s each).
+    # MLX's CUDA backend keeps the graphs it instantiated in an LRU cache of MLX_CUDA_GRAPH_CACHE_SIZE (MLX 0.32.4:
+    # 400); a step launching more distinct graphs than it holds would instantiate them afresh. Read once per process,
+    # so one process per setting, alternating (~90 s each). Thirteenth session: no difference (docs/BENCHMARKS.md).
     per_process MLX_CUDA_GRAPH_CACHE_SIZE graph-cache "100:a 1000:b 100:c 1000:d" --limit 32 --batch-sizes 32 \
       --draft-tokens 3 --single-k 3 ;;
   80b-prefill)

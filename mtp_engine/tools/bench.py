@@ -545,6 +545,10 @@ def main(argv=None) -> int:
                         help="dataset suite: time plain decoding and the --single-k chains again over N rounds, "
                         "interleaved prompt by prompt, so a drifting host speed falls on every mode alike (0: one "
                         "pass each, one mode after another)")
+    parser.add_argument("--batch-rounds", type=int, default=1,
+                        help="dataset suite: time the batched runs N times, each round starting one mode later and "
+                        "drawing projected acceptances of its own; each row sums its rounds, and every round's outputs "
+                        "are compared with the reference")
     parser.add_argument("--single-limit", type=int, default=None,
                         help="dataset suite: time one-at-a-time decoding on the first N prompts only (slow models)")
     parser.add_argument("--prefill-ahead", type=int, nargs="+", default=[0], metavar="N",
@@ -563,6 +567,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.single_rounds < 0:
         parser.error(f"--single-rounds must be 0 or more, got {args.single_rounds}")
+    if args.batch_rounds < 1:
+        parser.error(f"--batch-rounds must be 1 or more, got {args.batch_rounds}")
     if any(w < 1 for w in args.widths):
         parser.error(f"--widths must be positive, got {' '.join(map(str, args.widths))}")
     if any(r < 1 for r in args.block_rows):

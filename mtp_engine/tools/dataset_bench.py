@@ -49,8 +49,9 @@ class Run:
     batch_steps: int = 0  # decoder steps (batched runs)
     accepted: int = 0
     peak_memory: int = 0
-    identical: int = 0
-    outputs: list = field(default_factory=list)
+    identical: int = 0  # outputs (every round's) equal to the reference
+    outputs: list = field(default_factory=list)  # the first round's
+    later_outputs: list = field(default_factory=list)  # rounds after the first, in order
     phase_seconds: dict | None = None
     prefill_ahead: int = 0  # batched runs: queued prompts prefilled on a second stream
 
@@ -67,7 +68,7 @@ class Run:
             "prefill_share": round(self.prefill_seconds / self.seconds, 3),
             "acceptance_length": round((self.accepted + self.steps) / self.steps, 3) if self.draft_tokens else None,
             "batch_steps": self.batch_steps or None,
-            "identical": f"{self.identical}/{len(self.outputs)}",
+            "identical": f"{self.identical}/{len(self.outputs) + len(self.later_outputs)}",
             "peak_memory_gb": round(self.peak_memory / 2**30, 3),
         }
         if profile and self.draft_tokens:
@@ -79,6 +80,18 @@ class Run:
         if plain is not None:
             out["speedup_over_plain_one_at_a_time"] = round(out["tokens_per_s"] * plain.seconds / plain.tokens, 3)
         return out
+
+
+def _absorb(run: Run, again: Run) -> None:
+    """Another round of ``run``'s mode: its totals add to ``run``'s, its
+    outputs join ``run.later_outputs``."""
+    for name in ("tokens", "seconds", "prefill_seconds", "steps", "batch_steps", "accepted"):
+        setattr(run, name, getattr(run, name) + getattr(again, name))
+    run.peak_memory = max(run.peak_memory, again.peak_memory)
+    if run.phase_seconds is not None:
+        for phase, seconds in (again.phase_seconds or {}).items():
+            run.phase_seconds[phase] = run.phase_seconds.get(phase, 0.0) + seconds
+    run.later_outputs += again.outputs + again.later_outputs
 
 
 def _progress(run: Run) -> str:
@@ -103,16 +116,17 @@ def _projections(engine, n: int, references, profile, first_seed: int = 0) -> li
 
 
 def run_batched(engine, prompts, max_tokens: int | list[int], batch_size, k, references=None, profile=None,
-                phases: bool = False, prefill_ahead: int = 0) -> Run:
+                phases: bool = False, prefill_ahead: int = 0, first_seed: int = 0) -> Run:
     """The prompt set through `BatchedDecoder` (k = 0: plain batching);
     ``max_tokens`` for every prompt or one per prompt; ``phases``: time
     each phase of the decoder (`mtp_engine.batched.PHASES`), synchronizing
-    after each; ``prefill_ahead``: the decoder's."""
+    after each; ``prefill_ahead``: the decoder's; with a profile, prompt
+    ``i`` draws its acceptances with seed ``first_seed + i``."""
     run = Run("batched chain" if k else "plain batching", batch_size, k, phase_seconds={} if phases else None,
               prefill_ahead=prefill_ahead)
     decoder = BatchedDecoder(engine, batch_size, "chain" if k else "baseline", k or 3,
                              phase_seconds=run.phase_seconds, prefill_ahead=prefill_ahead)
-    projections = _projections(engine, len(prompts), references if k else None, profile)
+    projections = _projections(engine, len(prompts), references if k else None, profile, first_seed)
     for i, ids in enumerate(prompts):
         budget = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
         decoder.add(i, ids, max_tokens=budget, projection=projections[i])
@@ -146,7 +160,8 @@ def run_singles_interleaved(engine, prompts, max_tokens, ks: list[int], referenc
     interleaved: each prompt goes through every mode in turn (the order
     rotating), ``rounds`` times over the set, so the host's speed drifting
     during the run falls on every mode alike. Returns the runs in the order
-    plain, ``ks``; their outputs are the first round's.
+    plain, ``ks``; their outputs are the first round's, the other rounds'
+    in ``later_outputs``.
 
     With a profile each round draws its acceptances with seeds of its own
     (every chain of a round the same ones): over one prompt, one draw of
@@ -167,7 +182,7 @@ def run_singles_interleaved(engine, prompts, max_tokens, ks: list[int], referenc
                 run.peak_memory = max(run.peak_memory, mx.get_peak_memory())
                 _collect(run, [result])
                 if r:
-                    run.outputs.pop()  # the first round's outputs stand for the run
+                    run.later_outputs.append(run.outputs.pop())  # the first round's outputs stand for the run
     return runs
 
 
@@ -262,8 +277,9 @@ def dataset_suite(engine, prompts, args, log) -> dict:
     # Warm-up: every path once (kernels, traces, allocator). Batched paths
     # warm with a full batch whose rows end one step apart, so every batch
     # size from B down to 1 meets every draft width before the timed runs
-    # (on CUDA, a kernel's first use JIT-compiles it). Short prompts: which
-    # kernels run does not depend on the context length. With a profile the
+    # (on CUDA, a kernel's first use JIT-compiles it). The prompts as timed,
+    # not shortened: kernels may be chosen by context length, so a warm-up at
+    # another length can leave the timed run compiling. With a profile the
     # chains warm projected from the plain warm-up's outputs, so they accept
     # in part as they will timed and the compiled head meets the widths of
     # pending pairs (1 to K+1) it will meet (a random model's own drafts are
@@ -273,7 +289,7 @@ def dataset_suite(engine, prompts, args, log) -> dict:
     phases = getattr(args, "phase_times", False)  # with prefills ahead: refused by the CLI
     parsed = parse_profile(profile) if profile else None
     for b in args.batch_sizes:
-        rows = [prompts[i % len(prompts)][-32:] for i in range(b)]
+        rows = [prompts[i % len(prompts)] for i in range(b)]
         budgets = [2 + i for i in range(b)]
         warm = run_batched(engine, rows, budgets, b, 0)
         for k in args.draft_tokens:
@@ -330,27 +346,40 @@ def dataset_suite(engine, prompts, args, log) -> dict:
         log(f"  plain one at a time: {_progress(plain)}"
             + (f" (the first {len(single)} prompts)" if len(single) < len(prompts) else ""))
     costs = {}
+    batch_rounds = getattr(args, "batch_rounds", 1)
     for b in args.batch_sizes:
         if args.mlx_lm_batch:
             runs.append(run_mlx_lm(engine, prompts, args.max_tokens, b))
-        for k in [0, *args.draft_tokens]:
-            for ahead in aheads:  # side by side: the same rows with and without prefills ahead
-                if first_batch is not None and b == args.batch_sizes[0] and k == 0 and ahead == 0:
-                    runs.append(first_batch)
+        # side by side: the same rows with and without prefills ahead; with
+        # rounds, each round starts one mode later, and draws acceptances of
+        # its own, so a drifting host speed falls on every mode alike
+        modes = [(k, ahead) for k in [0, *args.draft_tokens] for ahead in aheads]
+        timed = {}
+        for rnd in range(batch_rounds):
+            for k, ahead in modes[rnd % len(modes):] + modes[: rnd % len(modes)]:
+                if rnd == 0 and first_batch is not None and b == args.batch_sizes[0] and k == 0 and ahead == 0:
+                    run = first_batch
                 else:
-                    runs.append(run_batched(engine, prompts, args.max_tokens, b, k, references, parsed, phases,
-                                            ahead))
-                r = runs[-1]
-                log(f"  B={b} {'K=' + str(k) if k else 'plain'}{f', prefill ahead {ahead}' if ahead else ''}: "
-                    f"{_progress(r)}")
+                    run = run_batched(engine, prompts, args.max_tokens, b, k, references, parsed, phases, ahead,
+                                      rnd * len(prompts))
+                log(f"  B={b} {'K=' + str(k) if k else 'plain'}{f', prefill ahead {ahead}' if ahead else ''}"
+                    f"{f', round {rnd + 1}' if batch_rounds > 1 else ''}: {_progress(run)}")
+                if (k, ahead) in timed:
+                    _absorb(timed[k, ahead], run)
+                else:
+                    timed[k, ahead] = run
+        runs += [timed[mode] for mode in modes]
         costs[b] = step_costs(engine, prompts, b, args.draft_tokens)
     for r in runs:
         r.identical = sum(a == b for a, b in zip(r.outputs, reference))
+        r.identical += sum(a == reference[i % len(r.outputs)] for i, a in enumerate(r.later_outputs))
     rows = [r.row(plain, profile) for r in runs]
     settings = {"prompts": len(prompts), "max_tokens": args.max_tokens, "context": args.context,
                 "acceptance_profile": profile}
     if rounds:
         settings["single_sequence_rounds"] = f"{rounds}, interleaved prompt by prompt"
+    if batch_rounds > 1:
+        settings["batched_rounds"] = f"{batch_rounds}, each starting one mode later"
     if len(single) < len(prompts):
         settings["single_sequence_prompts"] = len(single)
         settings["reference"] = (f"plain decoding one at a time for the first {len(single)} prompts, plain "

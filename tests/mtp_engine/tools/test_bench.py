@@ -116,7 +116,7 @@ def test_dataset_suite_times_one_at_a_time_on_the_first_prompts_only(tmp_path, t
 def test_dataset_suite_interleaves_single_sequence_rounds(tmp_path, tiny_path):
     # --single-rounds 2: plain decoding and the chain are timed again, two
     # rounds interleaved prompt by prompt; each row counts both rounds'
-    # tokens, and its outputs (the first round's) still equal the reference.
+    # tokens, and every round's outputs equal the reference.
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def add(a, b):", "Hello", "class A:"]))
     out = tmp_path / "bench.json"
@@ -129,9 +129,43 @@ def test_dataset_suite_interleaves_single_sequence_rounds(tmp_path, tiny_path):
     rows = {(r["mode"], r["draft_tokens"]): r for r in run["dataset_runs"]}
     assert set(rows) == {("plain, one at a time", 0), ("single-sequence chain", 2)}
     for r in rows.values():
-        assert r["prompts"] == 3 and r["identical"] == "3/3"
+        assert r["prompts"] == 3 and r["identical"] == "6/6"
         assert r["tokens"] == 2 * 3 * 5  # both rounds, 5 tokens a prompt (the tiny model never ends early)
     assert rows[("single-sequence chain", 2)]["projected_at_profile"] == "0.9,0.5"
+
+
+def test_dataset_suite_rotates_batched_rounds(tmp_path, tiny_path, capsys):
+    # --batch-rounds 3: plain batching and the chains K=1, 2 run three times,
+    # each round starting one mode later (the first round's plain batching is
+    # the reference run); each row sums its rounds' tokens and compares every
+    # round's outputs with the reference.
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def add(a, b):", "Hello", "class A:"]))
+    out = tmp_path / "bench.json"
+    code = main(["--model", str(tiny_path), "--prompts", str(prompts), "--suite", "dataset", "--limit", "3",
+                 "--max-tokens", "5", "--batch-sizes", "2", "--draft-tokens", "1", "2", "--single-k", "1",
+                 "--single-limit", "1", "--batch-rounds", "3", "--acceptance-profile", "0.9,0.5",
+                 "--no-mlx-lm-batch", "--json", str(out)])
+    assert code == 0
+    run = json.loads(out.read_text())
+    assert run["settings"]["batched_rounds"] == "3, each starting one mode later"
+    rows = {(r["mode"], r["draft_tokens"]): r for r in run["dataset_runs"] if r["batch_size"] == 2}
+    assert set(rows) == {("plain batching", 0), ("batched chain", 1), ("batched chain", 2)}
+    for r in rows.values():
+        assert r["prompts"] == 3 and r["identical"] == "9/9"
+        assert r["tokens"] == 3 * 3 * 5
+    order = [line.split(":")[0].strip() for line in capsys.readouterr().out.splitlines()
+             if line.strip().startswith("B=2 ") and "round" in line]
+    assert order == ["B=2 plain, round 1", "B=2 K=1, round 1", "B=2 K=2, round 1",
+                     "B=2 K=1, round 2", "B=2 K=2, round 2", "B=2 plain, round 2",
+                     "B=2 K=2, round 3", "B=2 plain, round 3", "B=2 K=1, round 3"]
+
+
+def test_batch_rounds_must_be_positive(tmp_path, tiny_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--model", str(tiny_path), "--suite", "dataset", "--batch-rounds", "0"])
+    assert e.value.code == 2
+    assert "--batch-rounds must be 1 or more, got 0" in capsys.readouterr().err
 
 
 def test_host_cost_suite_splits_each_forward(tmp_path, tiny_path):
