@@ -38,6 +38,7 @@ from mtp_engine.options import EngineOptions, mlx_settings
 from mtp_engine.tools.dataset_bench import (
     dataset_suite,
     print_dataset_table,
+    rotated,
     run_batched,
 )
 from mtp_engine.tools.host_cost import host_cost_suite, print_host_cost_table
@@ -182,8 +183,7 @@ def run_modes(
             _run_one(engine, prompts[0], specs[n], min(max_tokens, 16), 0)
     for r in range(rounds):
         for i, ids in enumerate(prompts):
-            order = names[i % len(names):] + names[: i % len(names)]
-            for n in order:
+            for n in rotated(names, i):
                 mx.reset_peak_memory()
                 t = time.perf_counter()
                 result = _run_one(engine, ids, specs[n], max_tokens, i)

@@ -94,6 +94,12 @@ def _absorb(run: Run, again: Run) -> None:
     run.later_outputs += again.outputs + again.later_outputs
 
 
+def rotated(items: list, n: int) -> list:
+    """``items`` starting at index ``n`` (modulo its length), wrapping round."""
+    n %= len(items)
+    return items[n:] + items[:n]
+
+
 def _progress(run: Run) -> str:
     """A timed run in one line (what a killed run still leaves in its log)."""
     r = run.row(None, None)
@@ -172,8 +178,7 @@ def run_singles_interleaved(engine, prompts, max_tokens, ks: list[int], referenc
         projections = {k: _projections(engine, len(prompts), references if k else None, profile, r * len(prompts))
                        for k in [0, *ks]}
         for i, ids in enumerate(prompts):
-            shift = (i + r) % len(runs)
-            for run in runs[shift:] + runs[:shift]:
+            for run in rotated(runs, i + r):
                 k = run.draft_tokens
                 mx.reset_peak_memory()
                 t = time.perf_counter()
@@ -356,7 +361,7 @@ def dataset_suite(engine, prompts, args, log) -> dict:
         modes = [(k, ahead) for k in [0, *args.draft_tokens] for ahead in aheads]
         timed = {}
         for rnd in range(batch_rounds):
-            for k, ahead in modes[rnd % len(modes):] + modes[: rnd % len(modes)]:
+            for k, ahead in rotated(modes, rnd):
                 if rnd == 0 and first_batch is not None and b == args.batch_sizes[0] and k == 0 and ahead == 0:
                     run = first_batch
                 else:
@@ -371,8 +376,7 @@ def dataset_suite(engine, prompts, args, log) -> dict:
         runs += [timed[mode] for mode in modes]
         costs[b] = step_costs(engine, prompts, b, args.draft_tokens)
     for r in runs:
-        r.identical = sum(a == b for a, b in zip(r.outputs, reference))
-        r.identical += sum(a == reference[i % len(r.outputs)] for i, a in enumerate(r.later_outputs))
+        r.identical = sum(a == reference[i % len(r.outputs)] for i, a in enumerate(r.outputs + r.later_outputs))
     rows = [r.row(plain, profile) for r in runs]
     settings = {"prompts": len(prompts), "max_tokens": args.max_tokens, "context": args.context,
                 "acceptance_profile": profile}
