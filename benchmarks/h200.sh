@@ -79,7 +79,7 @@ case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths,
       --json "$out/h200-lossless.json" 2>&1 | tail -20 ;;
   80b|80b-b8|80b-depths|80b-phases|80b-8k|80b-ahead)
     # The issue's target settings: prompts of 1K tokens x 128 new tokens, drafts projected at profile
-    # 0.93,0.82,0.64. 80b: 32 prompts at B=32, K=2 and 3 (~220 s); 80b-b8: 16 prompts at B=8 (~140 s); the batched
+    # 0.93,0.82,0.64. 80b: 32 prompts at B=32, K=2 and 3 (~210 s); 80b-b8: 16 prompts at B=8 (~140 s); the batched
     # runs twice, the second round starting one mode later; one-at-a-time decoding on the first prompt (plain and
     # chain K=3, 2 rounds interleaved, after the batched reference run), the rest of the reference from plain
     # batching. 80b-depths: single-sequence

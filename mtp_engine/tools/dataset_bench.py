@@ -274,36 +274,57 @@ def step_costs(engine, prompts, batch_size: int, ks: list[int], repeats: int = 1
     return out
 
 
+ALL_ACCEPTED = (1.0,)
+"""A profile that keeps every draft: warm-ups whose rows leave on time."""
+
+
+def warm_up(engine, prompts, batch_sizes, draft_tokens, single_k, profile=None, prefill_ahead: int = 0) -> None:
+    """Every path of the timed runs once, untimed: kernels, traces, CUDA
+    graphs, the allocator. The prompts as timed, not shortened: kernels may
+    be chosen by context length.
+
+    A verify forward of a ``[rows, width]`` shape new to the process costs
+    far more than the next one: on the H200, 0.2-1.1 s against 80 ms for
+    the 80B shapes at B=32 (docs/BENCHMARKS.md). A timed batched chain meets
+    a shape per row count in its tail, as rows finish at different steps, so
+    at each batch size B the warm-up covers:
+
+    - plain batching, row ``i`` ending after ``1 + (i + 1)(K + 1)`` tokens
+      (K the deepest chain): every ``[rows, 1]`` step from B rows down;
+    - each chain K on the same budgets for its depth, its drafts replaced by
+      plain batching's tokens and all accepted (`ALL_ACCEPTED`), so row ``i``
+      leaves after step ``i + 1``: every ``[rows, K + 1]`` verify forward;
+    - each chain K again with rows ending one token apart (``2 + i``),
+      drafts at ``profile`` when given (accepted in part, as timed): the
+      head's narrower pending widths and the short verify forwards of rows
+      near their budgets.
+
+    Then one-at-a-time decoding and each single-sequence chain on the
+    first prompt, 16 tokens."""
+    for b in batch_sizes:
+        rows = [prompts[i % len(prompts)] for i in range(b)]
+        deepest = max(draft_tokens, default=0)
+        plain = run_batched(engine, rows, [1 + (i + 1) * (deepest + 1) for i in range(b)], b, 0)
+        for k in draft_tokens:
+            run_batched(engine, rows, [1 + (i + 1) * (k + 1) for i in range(b)], b, k, plain.outputs, ALL_ACCEPTED)
+            run_batched(engine, rows, [2 + i for i in range(b)], b, k, plain.outputs if profile else None, profile)
+        if prefill_ahead:  # a queue, so rows join from the second stream
+            run_batched(engine, rows + rows[:2], [2 + i for i in range(b + 2)], b, 0, prefill_ahead=prefill_ahead)
+    few = prompts[:1]
+    plain = run_single(engine, few, 16, 0)
+    for k in single_k:
+        run_single(engine, few, 16, k, plain.outputs if profile else None, profile)
+
+
 def dataset_suite(engine, prompts, args, log) -> dict:
     """Every way of decoding ``prompts``, side by side; returns the report."""
     profile = args.acceptance_profile
     log(f"dataset: {len(prompts)} prompts x {args.max_tokens} tokens"
         + (f", drafts projected at profile {profile}" if profile else ""))
-    # Warm-up: every path once (kernels, traces, allocator). Batched paths
-    # warm with a full batch whose rows end one step apart, so every batch
-    # size from B down to 1 meets every draft width before the timed runs
-    # (on CUDA, a kernel's first use JIT-compiles it). The prompts as timed,
-    # not shortened: kernels may be chosen by context length, so a warm-up at
-    # another length can leave the timed run compiling. With a profile the
-    # chains warm projected from the plain warm-up's outputs, so they accept
-    # in part as they will timed and the compiled head meets the widths of
-    # pending pairs (1 to K+1) it will meet (a random model's own drafts are
-    # all accepted: K+1 only).
-    few = prompts[: min(4, len(prompts))]
     aheads = getattr(args, "prefill_ahead", None) or [0]
     phases = getattr(args, "phase_times", False)  # with prefills ahead: refused by the CLI
     parsed = parse_profile(profile) if profile else None
-    for b in args.batch_sizes:
-        rows = [prompts[i % len(prompts)] for i in range(b)]
-        budgets = [2 + i for i in range(b)]
-        warm = run_batched(engine, rows, budgets, b, 0)
-        for k in args.draft_tokens:
-            run_batched(engine, rows, budgets, b, k, warm.outputs if parsed else None, parsed)
-        if any(aheads):  # a queue, so rows join from the second stream
-            run_batched(engine, rows + rows[:2], [2 + i for i in range(b + 2)], b, 0, prefill_ahead=max(aheads))
-    warm = run_single(engine, few[:1], 16, 0)
-    for k in args.single_k:
-        run_single(engine, few[:1], 16, k, warm.outputs if parsed else None, parsed)
+    warm_up(engine, prompts, args.batch_sizes, args.draft_tokens, args.single_k, parsed, max(aheads))
 
     limit = getattr(args, "single_limit", None)
     if limit and getattr(args, "loop_free", False):

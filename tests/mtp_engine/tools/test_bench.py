@@ -261,3 +261,25 @@ def test_interleaved_rounds_draw_acceptances_of_their_own(tiny_engine):
     assert one.tokens == len(reference) >= 20 and four.tokens == 4 * one.tokens
     assert four.steps != 4 * one.steps  # the same draws each round would take exactly four times the steps
     assert one.outputs == four.outputs == [reference]
+
+
+def test_warm_up_meets_every_verify_shape_of_a_batched_tail(tiny_engine, monkeypatch):
+    # A timed batched chain's rows finish at different steps, so its verify
+    # forwards meet [rows, K+1] for every row count from B down; on CUDA each
+    # shape costs far more the first time it is met. The warm-up meets all
+    # of them (and plain batching's [rows, 1]) before anything is timed.
+    from mtp_engine.batched import BatchedDecoder
+    from mtp_engine.tools.dataset_bench import warm_up
+
+    shapes = set()
+    verify = BatchedDecoder._verify
+
+    def recording(self, drafts, *args):
+        shapes.add((len(self.rows), 1 + (0 if drafts is None else drafts.shape[1])))
+        return verify(self, drafts, *args)
+
+    monkeypatch.setattr(BatchedDecoder, "_verify", recording)
+    prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(3)]
+    warm_up(tiny_engine, prompts, [6], [2, 3], [], profile=(0.6,))
+    for width in (1, 3, 4):
+        assert {(rows, width) for rows in range(1, 7)} <= shapes, sorted(shapes)
