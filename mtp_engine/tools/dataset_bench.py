@@ -278,6 +278,14 @@ ALL_ACCEPTED = (1.0,)
 """A profile that keeps every draft: warm-ups whose rows leave on time."""
 
 
+def _one_leaving_a_step(rows: int, k: int) -> list[int]:
+    """Budgets under which ``rows`` rows of a chain of K = ``k`` whose drafts
+    are all accepted (K + 1 tokens a step) leave one a step: row ``i`` ends
+    after ``1 + (i + 1)(k + 1)`` tokens (its prefill's token, then i + 1
+    steps)."""
+    return [1 + (i + 1) * (k + 1) for i in range(rows)]
+
+
 def warm_up(engine, prompts, batch_sizes, draft_tokens, single_k, profile=None, prefill_ahead: int = 0) -> None:
     """Every path of the timed runs once, untimed: kernels, traces, CUDA
     graphs, the allocator. The prompts as timed, not shortened: kernels may
@@ -301,12 +309,12 @@ def warm_up(engine, prompts, batch_sizes, draft_tokens, single_k, profile=None, 
 
     Then one-at-a-time decoding and each single-sequence chain on the
     first prompt, 16 tokens."""
+    deepest = max(draft_tokens, default=0)
     for b in batch_sizes:
         rows = [prompts[i % len(prompts)] for i in range(b)]
-        deepest = max(draft_tokens, default=0)
-        plain = run_batched(engine, rows, [1 + (i + 1) * (deepest + 1) for i in range(b)], b, 0)
+        plain = run_batched(engine, rows, _one_leaving_a_step(b, deepest), b, 0)
         for k in draft_tokens:
-            run_batched(engine, rows, [1 + (i + 1) * (k + 1) for i in range(b)], b, k, plain.outputs, ALL_ACCEPTED)
+            run_batched(engine, rows, _one_leaving_a_step(b, k), b, k, plain.outputs, ALL_ACCEPTED)
             run_batched(engine, rows, [2 + i for i in range(b)], b, k, plain.outputs if profile else None, profile)
         if prefill_ahead:  # a queue, so rows join from the second stream
             run_batched(engine, rows + rows[:2], [2 + i for i in range(b + 2)], b, 0, prefill_ahead=prefill_ahead)
