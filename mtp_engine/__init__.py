@@ -6,7 +6,9 @@ decodes prompts; it knows nothing about the files of jobs.
 Importing the package does one thing before anything imports MLX: on Linux
 it loads the CPU BLAS route (`mtp_engine.kernels.cpu_blas`) into the
 process's global symbol scope, so MLX's CPU matmuls run at the same speed
-however Python was started. ``MTP_CPU_BLAS=0`` skips it.
+however Python was started. ``MTP_CPU_BLAS=0`` skips it. The public names
+below load on first use, so the training tools (`mtp_engine.tools.train`),
+which run on machines without MLX, can import their own modules.
 """
 
 from mtp_engine.kernels import cpu_blas as _cpu_blas
@@ -14,10 +16,26 @@ from mtp_engine.options import env_flag as _env_flag
 
 _cpu_blas.route_before_mlx(enabled=_env_flag("MTP_CPU_BLAS"))
 
-from mtp_engine.engine import MTPEngine, PromptTooLongError  # noqa: E402  (after the BLAS route)
-from mtp_engine.model.loader import CheckpointError, MissingMTPHeadError  # noqa: E402
-from mtp_engine.modes import MODES, DecodeConfig  # noqa: E402
-from mtp_engine.options import EngineOptions  # noqa: E402
+_PUBLIC = {
+    "MTPEngine": "mtp_engine.engine",
+    "PromptTooLongError": "mtp_engine.engine",
+    "CheckpointError": "mtp_engine.model.loader",
+    "MissingMTPHeadError": "mtp_engine.model.loader",
+    "MODES": "mtp_engine.modes",
+    "DecodeConfig": "mtp_engine.modes",
+    "EngineOptions": "mtp_engine.options",
+}
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        import importlib
+
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mtp_engine' has no attribute {name!r}")
+
 
 __all__ = [
     "MTPEngine",

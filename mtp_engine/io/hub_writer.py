@@ -15,12 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mtp_engine.io.weights import (
-    MTP_PREFIX,
-    files_with_prefix,
-    mlx_to_hub,
-    save_sharded,
-)
+from mtp_engine.io.weights import MTP_PREFIX, mlx_to_hub, save_sharded
 from mtp_engine.model.family import is_qwen3_5, text_config
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -188,60 +183,3 @@ def write_checkpoint(
     generation = {"eos_token_id": [ids[EOS_TOKEN], ids[PAD_TOKEN]], "do_sample": False}
     (folder / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return folder
-
-
-def replace_mtp_head(source: Path, out: Path, head: nn.Module) -> list[Path]:
-    """Write ``source``'s checkpoint to ``out`` with ``head``'s weights in
-    place of its ``mtp.*`` tensors; every other tensor and file is copied
-    unchanged (byte for byte where the shard holds no head tensor). Files
-    already in ``out`` with the source's size and modification time (as this
-    function copies them) are not copied again, so it can be called
-    repeatedly to save a head during training.
-
-    Each head tensor keeps the dtype it was stored in. Only Hub-layout,
-    full-precision heads can be replaced (quantize after distilling).
-
-    Returns:
-        The weight files that were rewritten.
-
-    Raises:
-        ValueError: The head's tensor names differ from the stored ones, or
-            the stored head is quantized.
-    """
-    import shutil
-
-    source, out = Path(source).resolve(), Path(out).resolve()
-    new = mlx_to_hub(module_weights(head, MTP_PREFIX))
-    stored = files_with_prefix(source, MTP_PREFIX)
-    stored_keys = {k for keys in stored.values() for k in keys}
-    if any(k.endswith((".scales", ".biases")) for k in stored_keys):
-        raise ValueError(f"{source} holds a quantized MTP head; distill the full-precision checkpoint, then quantize")
-    if stored_keys != set(new):
-        missing, extra = sorted(stored_keys - set(new)), sorted(set(new) - stored_keys)
-        raise ValueError(f"head tensors do not match {source}: missing {missing[:5]}, unexpected {extra[:5]}")
-    if out != source:
-        # Everything but the head's shards, once: a run that saves its head
-        # at every evaluation copies a large trunk a single time.
-        for path in sorted(source.rglob("*")):
-            target = out / path.relative_to(source)
-            if path.is_dir() or path in stored:
-                continue
-            here, there = path.stat(), target.stat() if target.exists() else None
-            if there is None or (there.st_size, there.st_mtime_ns) != (here.st_size, here.st_mtime_ns):
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(path, target)
-    written = []
-    staging = out / ".mtp-head-staging"  # outside the folder's *.safetensors glob
-    staging.mkdir(exist_ok=True)
-    for path in stored:
-        arrays, meta = mx.load(str(source / path.name), return_metadata=True)
-        for key in stored[path]:
-            arrays[key] = new[key].astype(arrays[key].dtype)
-        mx.eval(arrays)
-        target = out / path.name
-        tmp = staging / path.name
-        mx.save_safetensors(str(tmp), arrays, metadata=meta or {"format": "pt"})
-        tmp.replace(target)
-        written.append(target)
-    staging.rmdir()
-    return written

@@ -6,6 +6,10 @@ them as ``mlp.experts.gate_up_proj`` and ``mlp.experts.down_proj``), zero-centre
 (the model multiplies by ``1 + w``), ``conv1d`` weights as ``[C, 1, K]`` and
 the MTP head under ``mtp.``. MLX layout (what mlx-lm's ``sanitize`` makes):
 stacked ``switch_mlp`` experts, norms shifted by +1, ``conv1d`` as ``[C, K, 1]``.
+
+The layout conversions work on MLX arrays and on numpy arrays alike (the
+training tools read a model folder on machines without MLX); MLX is imported
+only where a file is read or written with it.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import json
 import re
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import mlx.core as mx
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 MTP_PREFIX = "mtp."
 # A head saved by our converter carries this metadata and is in MLX layout.
@@ -83,13 +89,26 @@ def files_with_prefix(folder: Path, prefix: str) -> dict[Path, list[str]]:
     return found
 
 
-def load_prefixed(folder: Path, prefix: str) -> tuple[dict[str, mx.array], dict[str, str]]:
+def _xp(value):
+    """The array module of ``value``: numpy for numpy arrays, else MLX."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        return np
+    import mlx.core as mx
+
+    return mx
+
+
+def load_prefixed(folder: Path, prefix: str) -> tuple[dict[str, "mx.array"], dict[str, str]]:
     """Load every tensor under ``prefix`` from a checkpoint folder.
 
     Returns:
         ``(weights, metadata)``: tensors keyed without the prefix, and the
         merged string metadata of the files they came from.
     """
+    import mlx.core as mx
+
     weights: dict[str, mx.array] = {}
     metadata: dict[str, str] = {}
     for path, keys in files_with_prefix(folder, prefix).items():
@@ -101,11 +120,11 @@ def load_prefixed(folder: Path, prefix: str) -> tuple[dict[str, mx.array], dict[
     return weights, metadata
 
 
-def stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+def stack_experts(weights: dict) -> dict:
     """Stack one-tensor-per-expert keys (``mlp.experts.{e}.gate_proj.weight``)
     into mlx-lm's ``mlp.switch_mlp.gate_proj.weight``; other keys pass."""
-    out: dict[str, mx.array] = {}
-    experts: dict[tuple[str, str, str], dict[int, mx.array]] = {}
+    out: dict = {}
+    experts: dict[tuple[str, str, str], dict[int, object]] = {}
     for key, value in weights.items():
         m = _EXPERT_KEY.match(key)
         if m:
@@ -116,15 +135,15 @@ def stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
         n = len(by_index)
         if sorted(by_index) != list(range(n)):
             raise ValueError(f"{mlp}: expert indices are not 0..{n - 1}")
-        out[f"{mlp}.switch_mlp.{proj}.{kind}"] = mx.stack([by_index[e] for e in range(n)])
+        out[f"{mlp}.switch_mlp.{proj}.{kind}"] = _xp(by_index[0]).stack([by_index[e] for e in range(n)])
     return out
 
 
-def split_fused_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+def split_fused_experts(weights: dict) -> dict:
     """Qwen3.5's fused experts (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``,
     gate rows first, and ``mlp.experts.down_proj`` ``[E, H, I]``) as
     mlx-lm's ``switch_mlp`` projections; other keys pass."""
-    out: dict[str, mx.array] = {}
+    out: dict = {}
     for key, value in weights.items():
         m = _FUSED_KEY.match(key)
         if not m:
@@ -138,32 +157,32 @@ def split_fused_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
-def hub_to_mlx(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+def hub_to_mlx(weights: dict) -> dict:
     """Convert Hub-layout tensors to the MLX layout (any key prefix).
 
     Stacks per-expert tensors (quantized ones too) or splits fused ones,
     shifts zero-centred norms by +1 and moves the conv1d kernel axis.
     """
-    out: dict[str, mx.array] = {}
+    out: dict = {}
     for key, value in split_fused_experts(stack_experts(weights)).items():
         if "conv1d.weight" in key and value.ndim == 3 and value.shape[-1] != 1:
-            value = value.moveaxis(2, 1)
+            value = value.swapaxes(1, 2)
         if _is_zero_centred(key) and value.ndim == 1:
             value = value + 1.0
         out[key] = value
     return out
 
 
-def mlx_to_hub(weights: dict[str, mx.array], fused_experts: bool = False) -> dict[str, mx.array]:
+def mlx_to_hub(weights: dict, fused_experts: bool = False) -> dict:
     """Inverse of `hub_to_mlx`: per-expert tensors (or Qwen3.5's fused
     ``experts.gate_up_proj`` / ``experts.down_proj``), zero-centred norms."""
-    out: dict[str, mx.array] = {}
+    out: dict = {}
     for key, value in weights.items():
         m = _SWITCH_KEY.match(key)
         if m and fused_experts and m[3] == "weight":
             if m[2] == "gate_proj":
                 up = weights[f"{m[1]}.switch_mlp.up_proj.weight"]
-                out[f"{m[1]}.experts.gate_up_proj"] = mx.concatenate([value, up], axis=-2)
+                out[f"{m[1]}.experts.gate_up_proj"] = _xp(value).concatenate([value, up], axis=-2)
             elif m[2] == "down_proj":
                 out[f"{m[1]}.experts.down_proj"] = value
             continue
@@ -172,7 +191,7 @@ def mlx_to_hub(weights: dict[str, mx.array], fused_experts: bool = False) -> dic
                 out[f"{m[1]}.experts.{e}.{m[2]}.{m[3]}"] = value[e]
             continue
         if "conv1d.weight" in key and value.ndim == 3 and value.shape[-1] == 1:
-            value = value.moveaxis(2, 1)
+            value = value.swapaxes(1, 2)
         if _is_zero_centred(key) and value.ndim == 1:
             value = value - 1.0
         out[key] = value
@@ -181,7 +200,7 @@ def mlx_to_hub(weights: dict[str, mx.array], fused_experts: bool = False) -> dic
 
 def save_sharded(
     folder: Path,
-    weights: dict[str, mx.array],
+    weights: dict[str, "mx.array"],
     *,
     max_shard_bytes: int | None = None,
     metadata: dict[str, str] | None = None,
@@ -195,6 +214,8 @@ def save_sharded(
             of at most this size and write ``model.safetensors.index.json``.
         metadata: String metadata stored in every file.
     """
+    import mlx.core as mx
+
     metadata = {"format": "mlx", **(metadata or {})}
     keys = sorted(weights)
     if max_shard_bytes is None:

@@ -3,20 +3,25 @@
 A loop is where an MTP head is always right, so speedups measured on looping
 outputs overstate what a user generating varied text gets. Benchmarks report
 every speedup beside its loop-free figure (the prompts whose plain output
-does not end in a loop).
+does not end in a loop), and the model card reports the loop rate.
+
+An output ends in a loop when its last ``SPAN`` (48) tokens repeat a cycle of
+period at most ``MAX_PERIOD`` (12).
 """
 
 from __future__ import annotations
 
+SPAN = 48
+MAX_PERIOD = 12
 
-def find_loop(tokens: list[int], max_period: int = 24, repeats: int = 3) -> int | None:
-    """Period of a repetition the output ends in (the last ``repeats`` periods
-    identical, at least 24 tokens), else None."""
+
+def find_loop(tokens: list[int], max_period: int = MAX_PERIOD, span: int = SPAN) -> int | None:
+    """Period of the cycle the output's last ``span`` tokens repeat, else
+    None (also for outputs shorter than ``span``)."""
+    if len(tokens) < span:
+        return None
+    tail = tokens[-span:]
     for period in range(1, max_period + 1):
-        span = max(period * repeats, 24)
-        if len(tokens) < span:
-            break
-        tail = tokens[-span:]
         if all(tail[i] == tail[i - period] for i in range(period, span)):
             return period
     return None

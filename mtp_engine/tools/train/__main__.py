@@ -1,76 +1,116 @@
-"""``python -m mtp_engine.train {prepare,prompts,fit,measure}``.
+"""``python -m mtp_engine.train {prepare,prompts,fit,distill,best,portable,export,measure}``.
 
-    prepare  stdlib corpus -> BPE tokenizer and token arrays (train / held-out)
-    prompts  held-out functions -> examples/prompts.jsonl (signature + docstring)
-    fit      train the model and its MTP head; write a Hub-layout checkpoint
-    distill  retrain a checkpoint's MTP head on its own trunk's predictions
-    measure  acceptance of every mode on the held-out prompts -> model card
+    prepare   corpus (standard library + dependency sources) -> BPE tokenizer, token arrays
+    prompts   held-out functions -> examples/prompts.jsonl (signature + docstring)
+    fit       train a model and its MTP head from scratch (PyTorch; resumable)
+    distill   retrain a fit's MTP head on the trunk's own continuations (PyTorch; resumable)
+    best      the fit run with the lowest held-out perplexity among folders
+    portable  a bfloat16 copy of a run's latest step, to move it off a machine
+    export    a run's latest step -> Hub-layout model folder (MLX)
+    measure   perplexity, loops and acceptance on the held-out prompts -> model card (MLX)
+
+fit and distill run in PyTorch (the training machine has no MLX; the engine
+never imports them) and write a checkpoint every few minutes; ``--detach``
+starts them in a new session, logging to ``OUT/train.log``, so they outlive
+the shell that started them; ``--resume DIR`` continues from a run's folder,
+a step folder or a portable copy. The model card (``models/*/README.md``)
+gives the whole procedure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
-import time
-from dataclasses import asdict
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
-import orjson
-from tokenizers import Tokenizer
+# Model shapes the scaling runs use: all 8 layers (6 gated-delta, 2 gated
+# attention), a 3072-token vocabulary, 4 experts top-2 plus a shared expert.
+PRESETS = {
+    "small": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, linear_num_value_heads=4,
+                  linear_num_key_heads=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                  intermediate_size=512),
+    "medium": dict(hidden_size=320, num_attention_heads=4, num_key_value_heads=2, linear_num_value_heads=4,
+                   linear_num_key_heads=2, moe_intermediate_size=160, shared_expert_intermediate_size=160,
+                   intermediate_size=640),
+    "large": dict(hidden_size=384, num_attention_heads=6, num_key_value_heads=2, linear_num_value_heads=6,
+                  linear_num_key_heads=3, moe_intermediate_size=192, shared_expert_intermediate_size=192,
+                  intermediate_size=768),
+}
+BASE = dict(
+    architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", num_hidden_layers=8, head_dim=64,
+    linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4,
+    num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, rms_norm_eps=1e-6,
+    vocab_size=3072, rope_theta=10000.0, partial_rotary_factor=0.25, max_position_embeddings=8192,
+    full_attention_interval=4, tie_word_embeddings=False, attention_bias=False, rope_scaling=None,
+    mtp_num_hidden_layers=1, torch_dtype="bfloat16",
+)
 
-from mtp_engine.io.hub_writer import (
-    replace_mtp_head,
-    train_bpe_tokenizer,
-    write_checkpoint,
-)
-from mtp_engine.model.loader import load_checkpoint
-from mtp_engine.options import EngineOptions
-from mtp_engine.tools.train.card import measure_and_write_card
-from mtp_engine.tools.train.corpus import (
-    describe,
-    held_out_prompts,
-    read_source,
-    stdlib_files,
-    tokenize_files,
-)
-from mtp_engine.tools.train.distill import DistillSettings, distill
-from mtp_engine.tools.train.fit import (
-    TrainSettings,
-    settings_dict,
-    shipped_config,
-    train,
-)
+
+def model_config(preset: str, overrides: str | None) -> dict:
+    if preset not in PRESETS:
+        sys.exit(f"--preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    config = {**BASE, **PRESETS[preset]}
+    try:
+        config.update(json.loads(overrides or "{}"))
+    except json.JSONDecodeError as e:
+        sys.exit(f"--config-overrides is not JSON: {e}")
+    return config
+
+
+def detach(argv: list[str], log: Path) -> None:
+    """Run this command again without ``--detach`` in a new session (it
+    survives the shell and its hang-up), output appended to ``log``."""
+    argv = [a for a in argv if a != "--detach"]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "mtp_engine.train", *argv], stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    print(f"started pid {proc.pid}, logging to {log}")
 
 
 def cmd_prepare(args) -> None:
+    """Corpus (standard library and dependency sources) -> tokenizer and token arrays."""
+    import numpy as np
+
+    from mtp_engine.io.hub_writer import train_bpe_tokenizer
+    from mtp_engine.tools.train.corpus import build_corpus, describe, read_source, tokenize_files
 
     out = Path(args.data)
     out.mkdir(parents=True, exist_ok=True)
-    train_files, held_files = stdlib_files()
+    corpus = build_corpus()
+    train_files = [p for _, p in corpus.train]
     texts = (t for t in (read_source(p) for p in train_files) if t)
-    tokenizer = train_bpe_tokenizer(texts, args.vocab_size)
+    if args.tokenizer:  # continue training a model: its own tokenizer
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(args.tokenizer)
+    else:
+        tokenizer = train_bpe_tokenizer(texts, args.vocab_size)
     tokenizer.save(str(out / "tokenizer.json"))
     train = tokenize_files(tokenizer, train_files)
-    held = tokenize_files(tokenizer, [p for p in held_files if not p.stem.startswith("test_")])
+    held = tokenize_files(tokenizer, [p for p in corpus.held_out if not p.stem.startswith("test_")])
     np.save(out / "train.npy", train)
     np.save(out / "heldout.npy", held)
     info = {
         **describe(),
         "train_files": len(train_files),
-        "held_out_files": len(held_files),
+        "held_out_files": len(corpus.held_out),
+        "dropped_files": corpus.dropped,
         "train_tokens": int(train.size),
         "held_out_tokens": int(held.size),
         "vocab_size": tokenizer.get_vocab_size(),
+        "sources": corpus.sources,
     }
     (out / "corpus.json").write_text(json.dumps(info, indent=2))
-    print(json.dumps(info, indent=2))
+    print(json.dumps({k: v for k, v in info.items() if k != "sources"}, indent=2))
 
 
 def cmd_prompts(args) -> None:
+    import orjson
 
+    from mtp_engine.tools.train.corpus import held_out_prompts
 
     prompts = held_out_prompts()
     path = Path(args.out)
@@ -81,174 +121,168 @@ def cmd_prompts(args) -> None:
     print(f"{len(prompts)} prompts -> {path}")
 
 
-def cmd_fit(args) -> None:
+def _settings(cls, args, names: list[str]):
+    from mtp_engine.tools.train.trainer import settings_from
 
-
-    data = Path(args.data)
-    config = shipped_config(**json.loads(args.config_overrides or "{}"))
-    tokenizer = Tokenizer.from_file(str(data / "tokenizer.json"))
-    if tokenizer.get_vocab_size() > config["vocab_size"]:
-        sys.exit(f"tokenizer has {tokenizer.get_vocab_size()} tokens, more than vocab_size {config['vocab_size']}")
-    settings = TrainSettings(
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        steps=args.steps,
-        lr=args.lr,
-        warmup=min(args.warmup, max(args.steps // 10, 1)),
-        eval_every=args.eval_every,
-        max_seconds=args.max_seconds,
-        seed=args.seed,
-        compile=not args.no_compile,
-    )
-    train_tokens = np.load(data / "train.npy")
-    held_tokens = np.load(data / "heldout.npy")
-    started = time.time()
-    trainee, history = train(config, train_tokens, held_tokens, settings, Path(args.state), log=lambda m: print(m, flush=True))
-    out = Path(args.out)
-    write_checkpoint(out, config, trainee.model, trainee.head, tokenizer, dtype=mx.bfloat16)
-    corpus = json.loads((data / "corpus.json").read_text())
-    training = {
-        "settings": settings_dict(settings),
-        "steps_done": history[-1]["step"],
-        "tokens_seen": history[-1]["step"] * settings.batch_size * settings.seq_len,
-        "seconds": round(time.time() - started, 1),
-        "device": str(mx.default_device()),
-        "history": history,
-        "corpus": corpus,
-    }
-    (out / "training.json").write_text(json.dumps(training, indent=2))
-    print(f"wrote {out}: {json.dumps(history[-1])}")
-
-
-def distill_settings(args, weights: tuple[float, ...]):
-    """`DistillSettings` from the ``distill`` arguments (ValueError names a bad one)."""
-
-    return DistillSettings(
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        steps=args.steps,
-        lr=args.lr,
-        warmup=min(args.warmup, max(args.steps // 10, 1)),
-        depth_weights=weights,
-        hard_weight=args.hard_weight,
-        generated_fraction=args.generated_fraction,
-        prefix_len=args.prefix_len,
-        eval_every=args.eval_every,
-        max_seconds=args.max_seconds,
-        seed=args.seed,
-        compile=not args.no_compile,
-    )
-
-
-def cmd_distill(args) -> None:
-
-
-
+    values = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     try:
-        weights = tuple(float(w) for w in args.depth_weights.split(","))
-    except ValueError:
-        sys.exit(f"--depth-weights must be comma-separated numbers, got {args.depth_weights!r}")
-    try:
-        settings = distill_settings(args, weights)
+        return settings_from(cls, values)
     except ValueError as e:
-        sys.exit(f"distill: {e}")
-    data = Path(args.data)
-    for name in ("train.npy", "heldout.npy"):
-        if not (data / name).exists():
-            sys.exit(f"{data / name} not found: run `python -m mtp_engine.train prepare --data {data}` "
-                     "or pass --data with a folder holding train.npy and heldout.npy (token ids)")
-    train_tokens = np.load(data / "train.npy")
-    held_tokens = np.load(data / "heldout.npy")
-    for name, tokens in (("train.npy", train_tokens), ("heldout.npy", held_tokens)):
-        if tokens.ndim != 1 or len(tokens) <= settings.seq_len:
-            sys.exit(f"{data / name} must be a 1-D token array longer than --seq-len {settings.seq_len}, "
-                     f"got shape {tokens.shape}")
-    loaded = load_checkpoint(args.model, dtype="float32", options=EngineOptions.from_env(compile_layers=False))
-    started = time.time()
+        sys.exit(f"{args.command}: {e}")
+
+
+COMMON = ["seq_len", "batch_size", "steps", "lr", "warmup", "eval_every", "max_seconds", "seed",
+          "checkpoint_minutes", "log_every"]
+
+
+def cmd_fit(args, argv) -> None:
     out = Path(args.out)
-    training = out / "training.json"
-    source_training = loaded.path / "training.json"
-    info = json.loads(source_training.read_text()) if source_training.exists() else {}
+    if args.detach:
+        return detach(argv, out / "train.log")
+    from mtp_engine.tools.train.checkpoint import read_checkpoint
+    from mtp_engine.tools.train.trainer import FitSettings, Log, fit
 
-    def save(history: list[dict]) -> None:
-        # After every evaluation: the head so far, and the run so far.
-        replace_mtp_head(loaded.path, out, loaded.head)
-        record = {
-            "source": str(args.model),
-            "settings": asdict(settings),
-            "steps_done": history[-1]["step"],
-            "tokens_seen": history[-1].get("tokens", 0),
-            "seconds": round(time.time() - started, 1),
-            "device": str(mx.default_device()),
-            "history": history,
-        }
-        runs = info.get("head_distillation", [])
-        runs = runs if isinstance(runs, list) else [runs]
-        tmp = training.with_name(training.name + ".tmp")
-        tmp.write_text(json.dumps({**info, "head_distillation": runs + [record]}, indent=2))
-        tmp.replace(training)
+    settings = _settings(FitSettings, args, COMMON)
+    if args.no_compile:
+        settings.compile = False
+    try:
+        if args.resume:
+            config = read_checkpoint(Path(args.resume), with_optimizer=False)[0]
+        else:
+            config = model_config(args.preset, args.config_overrides)
+        fit(config, Path(args.data), out, settings, Path(args.resume) if args.resume else None, Log(out / "train.log"))
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"fit: {e}")
 
-    history = distill(loaded.model, loaded.head, train_tokens, held_tokens, settings,
-                      log=lambda m: print(m, flush=True), on_eval=save)
-    print(f"wrote {out}: {json.dumps(history[-1])}")
+
+def cmd_distill(args, argv) -> None:
+    out = Path(args.out)
+    if args.detach:
+        return detach(argv, out / "train.log")
+    from mtp_engine.tools.train.trainer import DistillSettings, Log, distill
+
+    settings = _settings(DistillSettings, args, COMMON + ["hard_weight", "corpus_fraction", "prefix_len",
+                                                          "pool_sequences", "regenerate_every"])
+    if args.no_compile:
+        settings.compile = False
+    if args.depth_weights:
+        settings.depth_weights = tuple(float(w) for w in args.depth_weights.split(","))
+    if args.temperatures:
+        settings.temperatures = tuple(float(t) for t in args.temperatures.split(","))
+    try:
+        settings.__post_init__()
+        distill(Path(args.source), Path(args.data), out, settings, Path(args.resume) if args.resume else None,
+                Log(out / "train.log"))
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"distill: {e}")
+
+
+def cmd_best(args) -> None:
+    """Print the folder whose latest evaluation has the lowest perplexity."""
+    from mtp_engine.tools.train.checkpoint import read_checkpoint
+
+    scored = []
+    for folder in args.folders:
+        try:
+            _, _, progress = read_checkpoint(Path(folder), with_optimizer=False)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"skipping {folder}: {e}", file=sys.stderr)
+            continue
+        if progress.get("history"):
+            scored.append((progress["history"][-1]["perplexity"], folder))
+    if not scored:
+        sys.exit("no folder holds an evaluated run")
+    print(min(scored)[1])
+
+
+def cmd_portable(args) -> None:
+    from mtp_engine.tools.train.checkpoint import latest_step, write_portable
+
+    step = latest_step(Path(args.run))
+    if step is None:
+        sys.exit(f"{args.run}: no checkpoint step yet")
+    for path in write_portable(step, Path(args.out)):
+        print(path)
+
+
+def cmd_export(args) -> None:
+    from mtp_engine.tools.train.export import export_checkpoint, parameter_count
+
+    corpus = Path(args.data) / "corpus.json"
+    extra = {"corpus": json.loads(corpus.read_text())} if corpus.exists() else {}
+    if args.scaling:
+        runs = json.loads(Path(args.scaling).read_text())
+        extra["scaling"] = {name: {**run, "parameters": parameter_count(run["config"])}
+                            for name, run in sorted(runs.items()) if name.startswith("fit-")}
+    out = export_checkpoint(Path(args.checkpoint), Path(args.out), Path(args.data) / "tokenizer.json", extra)
+    print(f"wrote {out}")
 
 
 def cmd_measure(args) -> None:
+    from mtp_engine.tools.train.card import measure_and_write_card
 
-    measure_and_write_card(Path(args.model), Path(args.prompts), max_tokens=args.max_tokens, limit=args.limit)
+    measure_and_write_card(Path(args.model), Path(args.prompts), max_tokens=args.max_tokens, limit=args.limit,
+                           data=Path(args.data))
+
+
+def _run_args(p: argparse.ArgumentParser, out: str) -> None:
+    p.add_argument("--data", default=".train-data", help="folder of prepare's outputs (train.npy, heldout.npy)")
+    p.add_argument("--out", default=out, help="the run's folder: checkpoints and train.log")
+    p.add_argument("--resume", help="continue from this run folder, step folder or portable copy")
+    p.add_argument("--detach", action="store_true", help="run in a new session, logging to OUT/train.log")
+    p.add_argument("--no-compile", action="store_true", help="do not torch.compile the loss")
+    for name, kind in (("seq-len", int), ("batch-size", int), ("steps", int), ("lr", float), ("warmup", int),
+                       ("eval-every", int), ("max-seconds", float), ("seed", int), ("checkpoint-minutes", float),
+                       ("log-every", int)):
+        p.add_argument(f"--{name}", type=kind, default=None)
 
 
 def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m mtp_engine.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("prepare", help="build the tokenizer and token arrays")
     p.add_argument("--data", default=".train-data")
     p.add_argument("--vocab-size", type=int, default=3072)
+    p.add_argument("--tokenizer", help="tokenize with this tokenizer.json (a model's, to continue training it) "
+                                       "instead of training one")
     p = sub.add_parser("prompts", help="write held-out prompts")
     p.add_argument("--out", default="examples/prompts.jsonl")
-    p = sub.add_parser("fit", help="train and export")
-    p.add_argument("--data", default=".train-data")
+    p = sub.add_parser("fit", help="train a model and its head (PyTorch)")
+    _run_args(p, ".train-runs/fit")
+    p.add_argument("--preset", default="large", help=f"model shape: {', '.join(PRESETS)} (default: large)")
+    p.add_argument("--config-overrides", help="JSON dict of config.json overrides")
+    p = sub.add_parser("distill", help="retrain a fit's head on the trunk's continuations (PyTorch)")
+    _run_args(p, ".train-runs/distill")
+    p.add_argument("--source", required=True, help="the fit run whose head is distilled")
+    for name, kind in (("hard-weight", float), ("corpus-fraction", float), ("prefix-len", int),
+                       ("pool-sequences", int), ("regenerate-every", int)):
+        p.add_argument(f"--{name}", type=kind, default=None)
+    p.add_argument("--depth-weights", help="comma-separated loss weight per draft depth (their count is the depth)")
+    p.add_argument("--temperatures", help="comma-separated temperatures of the trunk's continuations (0 = greedy)")
+    p = sub.add_parser("best", help="the run folder with the lowest held-out perplexity")
+    p.add_argument("folders", nargs="+")
+    p = sub.add_parser("portable", help="bfloat16 copy of a run's latest step")
+    p.add_argument("run")
+    p.add_argument("out")
+    p = sub.add_parser("export", help="a run's latest step -> Hub-layout model folder")
+    p.add_argument("--checkpoint", required=True)
     p.add_argument("--out", default="models/qwen3-next-tiny-stdlib")
-    p.add_argument("--state", default=".train-state")
-    p.add_argument("--steps", type=int, default=4000)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=1.5e-3)
-    p.add_argument("--warmup", type=int, default=200)
-    p.add_argument("--eval-every", type=int, default=500)
-    p.add_argument("--max-seconds", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-compile", action="store_true", help="do not mx.compile the training step")
-    p.add_argument("--config-overrides", help="JSON dict of config.json overrides (e.g. smaller tests)")
-    p = sub.add_parser("distill", help="retrain the MTP head on the trunk's own predictions")
-    p.add_argument("--model", default="models/qwen3-next-tiny-stdlib")
-    p.add_argument("--out", required=True, help="output folder (may equal --model to update it in place)")
-    p.add_argument("--data", default=".train-data")
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--depth-weights", default="1.0,0.8,0.6,0.4",
-                   help="loss weight of each chained draft step; their count is the depth trained")
-    p.add_argument("--hard-weight", type=float, default=1.0,
-                   help="weight of the trunk's argmax against its softmax in the targets (0..1)")
-    p.add_argument("--generated-fraction", type=float, default=0.25,
-                   help="share of windows that are the trunk's own greedy continuations")
-    p.add_argument("--prefix-len", type=int, default=32, help="corpus prefix of a generated window")
-    p.add_argument("--eval-every", type=int, default=250)
-    p.add_argument("--max-seconds", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-compile", action="store_true", help="do not mx.compile the training step")
-    p = sub.add_parser("measure", help="measure acceptance and write the model card")
+    p.add_argument("--data", default=".train-data", help="holds tokenizer.json and corpus.json")
+    p.add_argument("--scaling", help="the runs' progress (h200.sh poll's scaling.json) for the card's scaling table")
+    p = sub.add_parser("measure", help="measure the model and write its card")
     p.add_argument("--model", default="models/qwen3-next-tiny-stdlib")
     p.add_argument("--prompts", default="examples/prompts.jsonl")
+    p.add_argument("--data", default=".train-data", help="holds heldout.npy (perplexity)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=None)
     args = parser.parse_args(argv)
-    {"prepare": cmd_prepare, "prompts": cmd_prompts, "fit": cmd_fit, "distill": cmd_distill,
-     "measure": cmd_measure}[args.command](args)
+    if args.command in ("fit", "distill"):
+        {"fit": cmd_fit, "distill": cmd_distill}[args.command](args, argv)
+    else:
+        {"prepare": cmd_prepare, "prompts": cmd_prompts, "best": cmd_best, "portable": cmd_portable,
+         "export": cmd_export, "measure": cmd_measure}[args.command](args)
 
 
 if __name__ == "__main__":
