@@ -16,16 +16,10 @@
 #   bash benchmarks/h200.sh 80b-b8     # tokens, drafts projected at profile 0.93,0.82,0.64: B=32; B=8; single chains
 #   bash benchmarks/h200.sh 80b-depths # K=3..8 (one call each) -> h200-80b.json, h200-80b-b8.json, h200-80b-depths.json
 #   bash benchmarks/h200.sh 80b-8k     # as 80b-b8 with 8K-token prompts, 8 of them, phases timed -> h200-80b-8k.json
-#   bash benchmarks/h200.sh 80b-phases # as 80b, every phase of the batched decoder timed -> h200-80b-phases.json
-#   bash benchmarks/h200.sh 80b-ahead  # 32 prompts at B=8 and B=32, K=3, each batched run without and with the next 2
-#                                      # queued prompts prefilled on a second stream, side by side -> h200-80b-ahead.json
+#   bash benchmarks/h200.sh 80b-phases # as 80b, every phase of the decoder timed -> h200-80b-phases.json
 #   bash benchmarks/h200.sh 80b-host   # one 80B forward of 1 / 4 / 7 tokens split into Python building it, MLX
 #                                      # encoding it and the device; primitives counted; the same for each
 #                                      # decoder layer kind and the MLP alone -> h200-80b-host.json
-#   bash benchmarks/h200.sh 80b-graph-ops # 80b-b8's suite (single chains K=3, 4 on the first prompt) in four processes,
-#                                      # MLX's CUDA graphs of 200 kernels / MLX's default (20) / 200 / 20 -> h200-80b-graph-ops-*.json
-#   bash benchmarks/h200.sh 80b-graph-cache # 80b's B=32 suite (K=3) in four processes, MLX keeping at most 100 /
-#                                      # 1000 / 100 / 1000 CUDA graphs (its default: 400) -> h200-80b-graph-cache-*.json
 #   bash benchmarks/h200.sh 80b-prefill # one 1K-token 80B prefill and its pieces alone (layers, mixers, recurrence,
 #                                      # MoE parts, the expert products on the tensor cores and in blocks of 8-64
 #                                      # rows) -> h200-80b-prefill.json
@@ -33,7 +27,7 @@
 #   bash benchmarks/h200.sh qwen3.5-35b-a3b   # projected at profile 0.93,0.82,0.64 -> h200-qwen3.5-*.json (one call each)
 #
 # A fresh machine compiles each of MLX's CUDA kernels the first time it runs: the 80B suites' warm-up took
-# 427 s on one, 29 s once compiled. MLX caches them under /tmp/mlx. To carry them to a later session, end a
+# 427 s on one, 29 s once compiled. MLX caches them under /tmp/mlx. To carry them to a later machine, end a
 # warm call with `tar czf $OUT/ptx.tgz -C /tmp mlx` (about 4 MB), keep the file as .mlx-ptx/ptx.tgz (ignored)
 # and name .mlx-ptx in the next call's carry: this script unpacks it first.
 set -u
@@ -43,23 +37,12 @@ mkdir -p "$out"
 export PYTHONPATH=/root/site:$PWD
 bench="python3 -u -m mtp_engine.bench"
 
-# per_process VAR NAME "VALUE:TAG ..." ARGS...: 80B shapes at the target settings (1K-token prompts, 128 tokens,
-# profile 0.93,0.82,0.64) with ARGS, one process per environment setting VAR=VALUE, in the order given.
-per_process() {
-  local var=$1 name=$2 runs=$3 run
-  shift 3
-  for run in $runs; do
-    env "$var=${run%%:*}" timeout "${LIMIT:-150}" $bench --synthetic 80b --suite dataset \
-      --acceptance-profile 0.93,0.82,0.64 --max-tokens 128 --contexts 1024 --single-limit 1 --no-mlx-lm-batch "$@" \
-      --json "$out/h200-80b-$name-${run%%:*}${run#*:}.json" 2>&1 | grep -v "^round" | tail -7
-  done
-}
-case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-ahead, 80b-host, 80b-graph-ops, 80b-graph-cache, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
+case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
     timeout "${LIMIT:-480}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
       tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/model/test_dispatch.py tests/mtp_engine/model/test_rope.py \
       tests/mtp_engine/model/test_quantized.py \
-      tests/mtp_engine/test_batched.py tests/mtp_engine/test_sampling.py \
+      tests/mtp_engine/test_decoder.py tests/mtp_engine/test_sampling.py \
       2>&1 | tail -15 ;;
   shipped)
     timeout "${LIMIT:-300}" $bench --limit 8 --max-tokens 64 --rounds 3 \
@@ -77,7 +60,7 @@ case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths,
   lossless)
     timeout "${LIMIT:-200}" python3 -u -m mtp_engine.lossless --limit 8 --max-tokens 64 \
       --json "$out/h200-lossless.json" 2>&1 | tail -20 ;;
-  80b|80b-b8|80b-depths|80b-phases|80b-8k|80b-ahead)
+  80b|80b-b8|80b-depths|80b-phases|80b-8k)
     # The issue's target settings: prompts of 1K tokens x 128 new tokens, drafts projected at profile
     # 0.93,0.82,0.64. 80b: 32 prompts at B=32, K=2 and 3 (~210 s); 80b-b8: 16 prompts at B=8 (~140 s); the batched
     # runs twice, the second round starting one mode later; one-at-a-time decoding on the first prompt (plain and
@@ -91,21 +74,9 @@ case "${1:?tests, shipped, dataset, sampling, lossless, 80b, 80b-b8, 80b-depths,
       80b-b8) args="--limit 16 --batch-sizes 8 --draft-tokens 3 --single-k 3 --single-limit 1 --single-rounds 2 --batch-rounds 2" ;;
       80b-depths) args="--limit 1 --batch-sizes --single-k 3 4 6 8 --single-rounds 3" ;;
       80b-phases) args="--limit 32 --batch-sizes 32 --draft-tokens 3 --single-k 3 --single-limit 1 --phase-times" ;;
-      80b-ahead) args="--limit 32 --batch-sizes 8 32 --draft-tokens 3 --single-k 3 --single-limit 1 --prefill-ahead 0 2" ;;
     esac
     timeout "${LIMIT:-580}" $bench --synthetic 80b --suite dataset --acceptance-profile 0.93,0.82,0.64 \
       --max-tokens 128 --contexts $ctx $args --no-mlx-lm-batch --json "$out/h200-$1.json" 2>&1 | grep -v "^round" ;;
-  80b-graph-ops)
-    # MLX_MAX_OPS_PER_BUFFER is read once per process (at its first GPU evaluation), so each setting is a process
-    # of its own; alternating them puts a drifting host speed on both. ~75 s each once MLX's kernels are compiled.
-    per_process MLX_MAX_OPS_PER_BUFFER graph-ops "200:a 20:b 200:c 20:d" --limit 16 --batch-sizes 8 --draft-tokens 3 \
-      --single-k 3 4 ;;
-  80b-graph-cache)
-    # MLX's CUDA backend keeps the graphs it instantiated in an LRU cache of MLX_CUDA_GRAPH_CACHE_SIZE (MLX 0.32.4:
-    # 400); a step launching more distinct graphs than it holds would instantiate them afresh. Read once per process,
-    # so one process per setting, alternating (~90 s each). Thirteenth session: no difference (docs/BENCHMARKS.md).
-    per_process MLX_CUDA_GRAPH_CACHE_SIZE graph-cache "100:a 1000:b 100:c 1000:d" --limit 32 --batch-sizes 32 \
-      --draft-tokens 3 --single-k 3 ;;
   80b-prefill)
     timeout "${LIMIT:-200}" $bench --synthetic 80b --suite prefill-cost --contexts 1024 --block-rows 8 16 32 64 \
       --json "$out/h200-80b-prefill.json" ;;

@@ -21,7 +21,10 @@ from jobs.repair import repair_folder
 from jobs.runner import resume_hint
 from jobs.status import print_status
 from mtp_engine import CheckpointError
-from mtp_engine.sampling import SAMPLERS
+from mtp_engine.modes import DRAFTERS, DecodeConfig
+from mtp_engine.modes import HELP as DECODE_HELP
+from mtp_engine.sampling import HELP as SAMPLING_HELP
+from mtp_engine.sampling import SAMPLERS, SamplingParams
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 
@@ -41,23 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
             "shards that datasets.load_from_disk reads. Running the same command again resumes: "
             "rows already committed are skipped, rows in flight at a crash are redone."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g.add_argument("--config", help="YAML or JSON file with any of the settings below (flags override it)")
     g.add_argument("--dataset", help="prompt file (.jsonl .json .csv .parquet .arrow), glob, or save_to_disk folder")
     g.add_argument("--model", help="Qwen3-Next or Qwen3.5 checkpoint folder with its MTP head")
     g.add_argument("--output", help="output folder (created; resumed if it holds this job)")
-    g.add_argument("--mode", choices=JOB_MODES, help="decoding mode; chain and baseline decode --batch-size rows at "
-                   "once (batched speculation / plain batching); 'batch' = baseline (older name); 'auto' = the mode, "
-                   "K and batch size measured fastest on this backend for the model's weights (default: auto). Every mode "
-                   "writes the same rows")
-    g.add_argument("--draft-tokens", type=int, help="K: draft depth (default: 4)")
-    g.add_argument("--paths", type=int, help="P: candidate first tokens in 'paths' mode (default: 2)")
-    g.add_argument("--tau", type=float, help="confidence threshold of the adaptive modes (default: 0.5)")
+    g.add_argument("--mode", choices=JOB_MODES, help="decoding mode, --batch-size rows at once (batched "
+                   "speculation; baseline: plain batching); 'auto' = the mode, K and batch size measured fastest on "
+                   "this backend for the model's weights (default: auto). Every mode writes the same rows")
     g.add_argument("--max-tokens", type=int, help="tokens per completion unless a row sets max_tokens (default: 256)")
     g.add_argument("--stop", action="append", help="stop string (repeatable) unless a row sets stop")
-    g.add_argument("--batch-size", type=int, help="rows decoded at once in chain and baseline modes; 1 decodes "
-                   "one row at a time (default: the backend's measured best; 16 for 'batch')")
+    g.add_argument("--batch-size", type=int, help="rows decoded at once; 1 decodes one row at a time (default: "
+                   "the backend's measured best in chain and baseline modes, 1 in the tree modes)")
     g.add_argument("--rows-per-shard", type=int, help="rows per committed shard (default: 256)")
     g.add_argument("--commit-seconds", type=float, help="commit finished rows at least this often (default: 300)")
     g.add_argument("--prompt-field", help="field holding the prompt string (default: prompt)")
@@ -65,16 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--id-field", help="field holding the row id; rows without it use their row number (default: id)")
     g.add_argument("--system-prompt", help="system message prepended to chat rows that have none")
     g.add_argument("--limit", type=int, help="only the first N rows of the dataset")
-    g.add_argument("--temperature", type=float, help="sampling temperature; 0 decodes greedily (default: 0). "
-                   "Rows may set temperature, top_p, top_k, min_p, seed and n themselves")
-    g.add_argument("--top-p", type=float, help="nucleus filter in (0, 1] (default: 1, off)")
-    g.add_argument("--top-k", type=int, help="keep the k likeliest tokens; 0 is off (default: 0)")
-    g.add_argument("--min-p", type=float, help="drop tokens under min_p x the likeliest's probability (default: 0)")
-    g.add_argument("--seed", type=int, help="job seed; each completion's seed derives from it, the row id and "
-                   "the sample index (default: 0)")
-    g.add_argument("--n", type=int, help="completions per prompt, one output row each (default: 1)")
-    g.add_argument("--sampler", choices=SAMPLERS, help="exact: every mode, batch size and rank writes the same "
-                   "tokens for a seed; rejection: speculative sampling, lossless in distribution (default: exact)")
+    g.add_argument("--n", type=int, help="completions per prompt, one output row each (default: 1). Rows may "
+                   "set n, temperature, top_p, top_k, min_p and seed themselves")
+    for helps, defaults in ((DECODE_HELP, DecodeConfig()), (SAMPLING_HELP, SamplingParams())):
+        for name in helps:  # one declaration each: the dataclass's type and default, its help line
+            default = getattr(defaults, name)
+            kind = {"sampler": None, "drafter": None}.get(name, type(default))
+            choices = {"sampler": SAMPLERS, "drafter": DRAFTERS}.get(name)
+            if kind is bool:
+                g.add_argument(f"--{name.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None,
+                               help=f"{helps[name]} (default: {default})")
+            else:
+                g.add_argument(f"--{name.replace('_', '-')}", type=kind, choices=choices,
+                               help=f"{helps[name]} (default: {default})")
     g.add_argument("--fast-path", dest="fast_paths", action="append", metavar="NAME=VALUE",
                    help="set one engine fast path (repeatable), e.g. cpp_drafter=off, few_rows=16, "
                    "compile_layers=auto; names in docs/BACKENDS.md. They change speed, never output")

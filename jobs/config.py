@@ -8,48 +8,32 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from mtp_engine.modes import MODES
+from mtp_engine.modes import MODES, DecodeConfig
 from mtp_engine.options import EngineOptions
 from mtp_engine.sampling import SamplingParams
 from schemas.arrow import SCHEMA_VERSION
 
-JOB_MODES = MODES + ("batch", "auto")
-BATCHED_MODES = ("chain", "baseline", "batch")
-"""Modes that decode several rows at once (`mtp_engine.batched`); "batch"
-is "baseline" under its older name, kept so older folders resume."""
+JOB_MODES = MODES + ("auto",)
+CHAIN_MODES = ("chain", "baseline")
+"""Modes whose default batch size is the measured best (`AUTO`); the tree
+modes default to one row at a time (each of their rows verifies several
+paths)."""
 
 AUTO = {"cpu": ("chain", 2, 32), "gpu": ("baseline", None, 32)}
 """What "auto" (the default mode) becomes on each MLX backend for a greedy
-job: (mode, K or None, batch size), the fastest measured over a dataset
-(docs/BENCHMARKS.md). CPU, shipped model, all 287 prompts of
-examples/prompts.jsonl: batched chain B=32 K=2 795 tok/s (K=3 level)
-against 702 for plain batching at its best (B=32) and 372 for the
-single-sequence chain (loop-driven; over the 13 loop-free prompts 1.08x
-plain batching). H200, shipped model, re-measured with the current code
-(32 prompts x 128 tokens): plain batching B=32 3133 tok/s against 3005 for
-the best batched chain (B=32 K=4); batched chains beat plain batching of
-the same B only at B=8 and 16.
-On the 80B-A3B shapes (1K-token prompts, projected at profile
-0.93,0.82,0.64) batched chain K=3 leads at B=8 and B=32 (1.29-1.61x /
-1.23-1.40x with prefill across calls), but "auto" is set by the model the
-project ships."""
+job: (mode, K or None, batch size), the fastest setting measured over a
+dataset of the shipped model (figures: docs/BENCHMARKS.md)."""
 
 AUTO_QUANTIZED_CPU = ("baseline", None, 32)
 """What "auto" becomes for a greedy job of a quantized checkpoint on the
 CPU: plain batching. MLX's CPU quantized products do the work of every row
-again (a forward of 4 tokens costs 2.7x one token, against 1.1x in float32
-through BLAS), so drafts verified in wider forwards do not pay: the shipped
-model quantized to 4 bits (`python -m mtp_engine.convert -q`), 48 prompts
-of examples/prompts.jsonl x 64 tokens, plain batching B=32 89.1 tok/s,
-B=8 87.2; batched chain B=32 K=2 69.7, B=8 K=2 71.1 / K=3 69.4;
-single-sequence chain K=2 65.3 (loop-driven acceptance 2.6-3.2)."""
+again, so drafts verified in wider forwards do not pay (figures:
+docs/BENCHMARKS.md)."""
 
 AUTO_SAMPLED = ("baseline", None, 32)
 """What "auto" becomes for a job that samples (temperature above 0) on any
-backend: plain batching. Sampled batched chains on this CPU (96 prompts,
-B=32, exact sampler) ran at 0.65x / 0.58x plain batching's rate at T = 0.7 /
-1.0: away from greedy loops the shipped model's head is right about once in
-two drafts."""
+backend: plain batching, the faster setting measured with the shipped
+model's head (figures: docs/BENCHMARKS.md)."""
 
 AUTO_MODE = {backend: mode for backend, (mode, _, _) in AUTO.items()}
 
@@ -64,7 +48,7 @@ def auto_choice(backend: str, quantized: bool, temperature: float) -> tuple[tupl
         return AUTO_QUANTIZED_CPU, "quantized weights on the CPU"
     return AUTO.get(backend, AUTO["cpu"]), f"a greedy job on the {backend}"
 
-SPEED_ONLY = ("mode", "draft_tokens", "paths", "tau", "batch_size")
+SPEED_ONLY = ("mode", "draft_tokens", "paths", "tau", "tree_pos2", "drafter", "batch_size")
 """Decoding settings that change speed, never the tokens (every mode is
 lossless, and the exact sampler's tokens depend on the seed only), so a
 folder resumes under other values of them. Under the rejection sampler the
@@ -86,17 +70,14 @@ class JobConfig:
         dataset: Prompt file, glob of files, or ``save_to_disk`` folder.
         model: Checkpoint folder.
         output: Output folder (created; resumed when it exists).
-        mode: A decoding mode of the engine, "batch" (plain continuous
-            batching under its older name) or "auto" (the measured best for
+        mode: A decoding mode of the engine or "auto" (the measured best for
             this machine's backend and the model's weights, see `AUTO`,
             `AUTO_QUANTIZED_CPU`, `AUTO_SAMPLED`).
-        draft_tokens: K.
-        paths: P (mode "paths").
-        tau: Confidence threshold (adaptive modes).
+        draft_tokens, paths, tau, tree_pos2, drafter: As `DecodeConfig`.
         max_tokens: Default token budget per row (rows may override).
         stop: Default stop strings (rows may override).
-        batch_size: Rows decoded at once (chain and baseline modes; None:
-            the measured best for the backend, 16 for "batch" as before).
+        batch_size: Rows decoded at once (None: the measured best for the
+            backend in chain and baseline modes, 1 in the tree modes).
         rows_per_shard: Rows per committed shard.
         commit_seconds: Commit a shard at least this often when rows are done.
         prompt_field: Field holding a prompt string.
@@ -107,8 +88,8 @@ class JobConfig:
         allow_dataset_change: Resume a folder written from another dataset
             (its rows are kept; the new dataset's rows are added).
         limit: Process only the first ``limit`` rows of the dataset.
-        temperature, top_p, top_k, min_p: Sampling (rows may override);
-            temperature 0 decodes greedily (`mtp_engine.sampling`).
+        temperature, top_p, top_k, min_p: As `SamplingParams` (rows may
+            override them); temperature 0 decodes greedily.
         seed: The job's seed; completion ``j`` of row ``id`` samples with a
             seed derived from it (or from the row's own ``seed``), the id
             and ``j`` (`jobs.prompts.completion_seed`).
@@ -126,9 +107,11 @@ class JobConfig:
     model: str
     output: str
     mode: str = "auto"
-    draft_tokens: int = 4
-    paths: int = 2
-    tau: float = 0.5
+    draft_tokens: int = DecodeConfig.draft_tokens
+    paths: int = DecodeConfig.paths
+    tau: float = DecodeConfig.tau
+    tree_pos2: bool = DecodeConfig.tree_pos2
+    drafter: str = DecodeConfig.drafter
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
     batch_size: int | None = None
@@ -141,13 +124,13 @@ class JobConfig:
     overwrite: bool = False
     allow_dataset_change: bool = False
     limit: int | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int = 0
+    temperature: float = SamplingParams.temperature
+    top_p: float = SamplingParams.top_p
+    top_k: int = SamplingParams.top_k
+    min_p: float = SamplingParams.min_p
+    seed: int = SamplingParams.seed
     n: int = 1
-    sampler: str = "exact"
+    sampler: str = SamplingParams.sampler
     fast_paths: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self):
@@ -157,19 +140,17 @@ class JobConfig:
                 raise ConfigError(f"{name} must be a non-empty string, got {value!r}")
         if self.mode not in JOB_MODES:
             raise ConfigError(f"mode must be one of {', '.join(JOB_MODES)}; got {self.mode!r}")
-        _positive_int("draft_tokens", self.draft_tokens, 16)
-        _positive_int("paths", self.paths, 8)
+        try:  # the decoding fields, as the engine validates them
+            DecodeConfig(mode="chain" if self.mode == "auto" else self.mode, draft_tokens=self.draft_tokens,
+                         tau=self.tau, paths=self.paths, tree_pos2=self.tree_pos2, drafter=self.drafter)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         _positive_int("max_tokens", self.max_tokens)
         if self.batch_size is not None:
             _positive_int("batch_size", self.batch_size, 1024)
-            if self.batch_size > 1 and self.mode not in (*BATCHED_MODES, "auto"):
-                raise ConfigError(f"--batch-size {self.batch_size}: mode {self.mode!r} decodes one row at a time; "
-                                  f"batched decoding runs modes {', '.join(BATCHED_MODES)}")
         _positive_int("rows_per_shard", self.rows_per_shard)
         if self.limit is not None:
             _positive_int("limit", self.limit)
-        if not isinstance(self.tau, (int, float)) or not 0.0 < self.tau <= 1.0:
-            raise ConfigError(f"tau must be in (0, 1], got {self.tau!r}")
         if not isinstance(self.commit_seconds, (int, float)) or self.commit_seconds <= 0:
             raise ConfigError(f"commit_seconds must be > 0, got {self.commit_seconds!r}")
         if isinstance(self.stop, str):
@@ -188,7 +169,7 @@ class JobConfig:
         if self.n > 1 and self.temperature == 0:
             raise ConfigError(f"n = {self.n} with temperature 0 would write {self.n} copies of one greedy "
                               "completion; set --temperature above 0 (or n = 1)")
-        if self.sampler == "rejection" and self.mode not in ("chain", "baseline", "batch", "auto"):
+        if self.sampler == "rejection" and self.mode not in ("chain", "baseline", "auto"):
             raise ConfigError(f"sampler 'rejection' drafts chains; mode {self.mode!r} needs sampler 'exact' "
                               "(or mode chain)")
 
@@ -233,15 +214,14 @@ class JobConfig:
             config = replace(config, mode=mode, draft_tokens=k or config.draft_tokens,
                              batch_size=config.batch_size or batch)
         if config.batch_size is None:
-            default = {"batch": 16}.get(config.mode) or (AUTO.get(backend, AUTO["cpu"])[2]
-                                                         if config.mode in BATCHED_MODES else 1)
+            default = AUTO.get(backend, AUTO["cpu"])[2] if config.mode in CHAIN_MODES else 1
             config = replace(config, batch_size=default)
         return config
 
-    @property
-    def batched(self) -> bool:
-        """Whether rows decode several at once (`mtp_engine.batched`)."""
-        return self.mode == "batch" or (self.mode in BATCHED_MODES and (self.batch_size or 1) > 1)
+    def decode_config(self) -> DecodeConfig:
+        """The engine's decoding settings (of a `resolved` config)."""
+        return DecodeConfig(mode=self.mode, draft_tokens=self.draft_tokens, tau=self.tau, paths=self.paths,
+                            tree_pos2=self.tree_pos2, batch_size=self.batch_size or 1, drafter=self.drafter)
 
     def decoding(self, schema_version: int = SCHEMA_VERSION) -> dict:
         """The decoding settings (fingerprinted; `SPEED_ONLY` ones are not
@@ -251,9 +231,7 @@ class JobConfig:
         if schema_version >= 2:
             d["sampling"] = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                              "min_p": self.min_p, "seed": self.seed, "n": self.n, "sampler": self.sampler}
-        if self.mode == "batch":
-            d["batch_size"] = self.batch_size
-        elif self.mode != "baseline":
+        if self.mode != "baseline":
             d["draft_tokens"] = self.draft_tokens
             if self.mode == "paths":
                 d["paths"] = self.paths

@@ -22,10 +22,6 @@ from pathlib import Path
 import orjson
 
 
-class LedgerCorrupt(RuntimeError):
-    """A ledger line before the last is unreadable (damage from outside)."""
-
-
 @dataclass
 class LedgerEntry:
     """One committed shard.

@@ -1,9 +1,8 @@
 """The job loop: rows in, completions out, committed in shards.
 
-The runner knows nothing about caches or drafts: it drives the engine's
-batched decoder (modes chain and baseline with a batch size over 1: rows
-join as others finish) or asks for one prompt's completions at a time (the
-other modes). A prompt with ``n`` completions is prefilled once; each
+The runner knows nothing about caches or drafts: it drives the engine's one
+decoder (`mtp_engine.decoder`): ``batch_size`` rows at a time, rows joining
+as others finish. A prompt with ``n`` completions is prefilled once; each
 completion is an output row keyed ``(id, sample)``. A row is committed only
 inside a shard; rows in flight when the process dies are redone on the next
 run, done keys are skipped.
@@ -19,7 +18,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -45,7 +44,7 @@ from jobs.progress import Progress
 from jobs.prompts import Preparer, Request, RowError, raw_id
 from jobs.readers import PromptSource
 from mtp_engine import MTPEngine
-from mtp_engine.batched import BatchedDecoder
+from mtp_engine.decoder import Decoder
 from schemas.arrow import SCHEMA_VERSION, completion_row, error_row
 
 
@@ -315,10 +314,7 @@ def _run(config, auto_basis, engine, source, total, out, ranks, stream, log, ver
     started = time.perf_counter()
     with StopRequest() as stop:
         work = _work(source, config, preparer, out.done, rank, world, stop)
-        if config.batched:
-            _run_batched(engine, config, work, finish, stop, log=progress.log)
-        else:
-            _run_one_at_a_time(engine, config, work, finish)
+        _decode(engine, config, work, finish, stop, log=progress.log)
         buffer.flush()
         progress.close()
         if world > 1 and not stop.requested:
@@ -401,33 +397,6 @@ def _error_to_row(e: RowError) -> dict:
                      chat=e.chat)
 
 
-def _generate_with_retry(engine: MTPEngine, config: JobConfig, req: Request, samples: tuple[int, ...]):
-    """Generate the completions ``samples`` of a prompt (one prefill); on an
-    exception free MLX's cache and try once more."""
-    params = [req.sample_params(j) for j in samples]
-    kwargs = dict(
-        max_tokens=req.max_tokens,
-        mode="baseline" if config.mode == "batch" else config.mode,
-        draft_tokens=config.draft_tokens,
-        tau=config.tau,
-        paths=config.paths,
-        stop=list(req.stop) or None,
-        temperature=req.sampling.temperature,
-        top_p=req.sampling.top_p,
-        top_k=req.sampling.top_k,
-        min_p=req.sampling.min_p,
-        sampler=req.sampling.sampler,
-        seeds=[p.seed for p in params],
-    )
-    for attempt in (1, 2):
-        try:
-            return engine.generate_samples(req.prompt_ids, **kwargs), None
-        except Exception as e:  # a broken row must not end the job
-            if attempt == 2:
-                return None, f"{type(e).__name__}: {e}"
-            mx.clear_cache()
-
-
 def _request_result(req: Request, sample: int, result, failure: str | None) -> dict:
     if failure is not None:
         params = req.sample_params(sample)
@@ -437,20 +406,6 @@ def _request_result(req: Request, sample: int, result, failure: str | None) -> d
         )
     return completion_row(id=req.id, index=req.index, line=req.line, prompt=req.prompt, result=result,
                           sample=sample, n=req.n, chat=req.chat)
-
-
-def _run_one_at_a_time(engine, config, work, finish) -> None:
-    for item in work:
-        if isinstance(item, RowError):
-            finish(_error_to_row(item))
-            continue
-        _generate_all(engine, config, item, finish)
-
-
-def _generate_all(engine, config, item: Work, finish) -> None:
-    results, failure = _generate_with_retry(engine, config, item.request, item.samples)
-    for i, sample in enumerate(item.samples):
-        _finish_result(finish, item.request, sample, results[i] if results else None, failure)
 
 
 def _finish_result(finish, req: Request, sample: int, result, failure: str | None) -> None:
@@ -466,11 +421,39 @@ def _finish_result(finish, req: Request, sample: int, result, failure: str | Non
 BATCH_FAILURES_BEFORE_FALLBACK = 2
 
 
-def _run_batched(engine, config, work, finish, stop, log=None) -> None:
-    """Rows decoded ``batch_size`` at once (`mtp_engine.batched`): as one
-    finishes, the next joins; a prompt's completions share its prefill."""
-    mode = "chain" if config.mode == "chain" else "baseline"
-    decoder = BatchedDecoder(engine, config.batch_size, mode, config.draft_tokens, label=config.mode)
+def _alone(engine, config, item: Work, finish, attempts: int = 2) -> None:
+    """A prompt's completions in a batch of their own, tried ``attempts``
+    times (MLX's cache freed after a failure); then an error row per
+    completion (a broken row must not end the job)."""
+    req = item.request
+    failure = None
+    for _ in range(attempts):
+        decoder = Decoder(engine, replace(config.decode_config(), batch_size=len(item.samples)))
+        try:
+            decoder.add(req.id, req.prompt_ids, [req.sample_params(j) for j in item.samples],
+                        max_tokens=req.max_tokens, stop=list(req.stop) or None)
+            results = {}
+            while decoder.pending:
+                results.update(decoder.step())
+            for i, sample in enumerate(item.samples):
+                _finish_result(finish, req, sample, results[(req.id, i)], None)
+            return
+        except Exception as e:  # a broken row must not end the job
+            failure = f"{type(e).__name__}: {e}"
+            mx.clear_cache()
+        finally:
+            decoder.close()
+    for sample in item.samples:
+        _finish_result(finish, req, sample, None, failure)
+
+
+def _decode(engine, config, work, finish, stop, log=None) -> None:
+    """Rows decoded ``batch_size`` at once (`mtp_engine.decoder`): as one
+    finishes, the next joins; a prompt's completions share its prefill. If
+    a whole batch fails, its rows are redone in batches of their own, and
+    after `BATCH_FAILURES_BEFORE_FALLBACK` such failures in a row every
+    prompt is."""
+    decoder = Decoder(engine, config.decode_config())
     in_flight: dict[str, list] = {}  # id -> [Work, sample indices still running]
     failures = 0
 
@@ -479,12 +462,11 @@ def _run_batched(engine, config, work, finish, stop, log=None) -> None:
         try:
             finished = decoder.step()
         except Exception as e:
-            # The whole batch failed: redo its rows one at a time, with a retry.
             failures += 1
             mx.clear_cache()
             decoder.drop_all()
-            for item, running in list(in_flight.values()):
-                _generate_all(engine, config, Work(item.request, tuple(running)), finish)
+            for item, running in list(in_flight.values()):  # the batch was their first try: one retry
+                _alone(engine, config, Work(item.request, tuple(running)), finish, attempts=1)
             in_flight.clear()
             if failures == BATCH_FAILURES_BEFORE_FALLBACK and log is not None:
                 log(f"batch decoding failed {failures} times in a row ({type(e).__name__}: {e}); "
@@ -507,12 +489,16 @@ def _run_batched(engine, config, work, finish, stop, log=None) -> None:
             while decoder.pending and decoder.pending + len(item.samples) > config.batch_size:
                 drain_one_step()
             if failures >= BATCH_FAILURES_BEFORE_FALLBACK:  # batching given up; nothing in flight
-                _generate_all(engine, config, item, finish)
+                _alone(engine, config, item, finish)
                 continue
             req = item.request
+            try:
+                decoder.add(req.id, req.prompt_ids, [req.sample_params(j) for j in item.samples],
+                            max_tokens=req.max_tokens, stop=list(req.stop) or None)
+            except Exception:  # the row alone names what is wrong with it
+                _alone(engine, config, item, finish)
+                continue
             in_flight[req.id] = [item, list(item.samples)]
-            decoder.add(req.id, req.prompt_ids, max_tokens=req.max_tokens, stop=list(req.stop) or None,
-                        sampling=[req.sample_params(j) for j in item.samples])
         while decoder.pending and not stop.requested:
             drain_one_step()
         if stop.requested:

@@ -23,6 +23,7 @@ _PUBLIC = {
     "MissingMTPHeadError": "mtp_engine.model.loader",
     "MODES": "mtp_engine.modes",
     "DecodeConfig": "mtp_engine.modes",
+    "SamplingParams": "mtp_engine.sampling",
     "EngineOptions": "mtp_engine.options",
 }
 
@@ -45,4 +46,5 @@ __all__ = [
     "MissingMTPHeadError",
     "MODES",
     "DecodeConfig",
+    "SamplingParams",
 ]

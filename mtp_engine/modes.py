@@ -1,28 +1,33 @@
-"""Decoding modes and their parameters.
+"""Decoding modes and their parameters (`DecodeConfig`).
 
-Each speculative mode is a small drafting strategy with one interface:
-``propose(drafter, state, depth) -> paths``: equal-length token lists (one
-path is a chain, several are verified together as a batch), or for chain
-mode with the MLX drafter a lazy ``[1, K]`` array the verify forward reads
-back with its targets. Any `mtp_engine.drafters.base.Drafter` whose
-``modes`` include the mode can draft it.
+Each speculative mode is a drafting strategy (`mtp_engine.drafters.head`):
+``chain`` K greedy (or sampled) drafts; ``adaptive`` a chain that stops once
+the running product of its top-1 probabilities falls below ``tau``;
+``tree`` chain A plus branches from the runner-up at draft positions 1 and 2;
+``adaptive_tree`` an adaptive chain plus a position-1 branch; ``paths`` the
+top-P first tokens, each continued. Several paths of a row are verified
+together, as rows of the verify forward.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import mlx.core as mx
+from dataclasses import dataclass, fields
 
 from mtp_engine.options import MAX_DRAFT_TOKENS
 
 MODES = ("baseline", "chain", "adaptive", "tree", "adaptive_tree", "paths")
 SPECULATIVE_MODES = MODES[1:]
+DRAFTERS = ("auto", "mlx", "mlx-eager", "cpp", "cuda")
+"""Who may draft (`DecodeConfig.drafter`)."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Validated decoding parameters.
+    """Validated decoding parameters (a bad value raises ValueError naming it).
 
     Attributes:
         mode: One of `MODES`.
@@ -30,23 +35,35 @@ class DecodeConfig:
         tau: Confidence threshold of the adaptive modes, in (0, 1].
         paths: P, candidate first tokens of ``paths`` mode.
         tree_pos2: Whether ``tree`` mode adds the position-2 branch.
+        batch_size: Most rows in flight (`MTPEngine.generate_batch`, jobs).
+        drafter: Who drafts: "auto", "mlx", "mlx-eager" (the MLX head, not
+            compiled), "cpp" or "cuda" (`mtp_engine.drafters.select`). It
+            changes speed, never the output.
     """
 
     mode: str = "chain"
-    draft_tokens: int = 4
+    draft_tokens: int = 3
     tau: float = 0.5
     paths: int = 2
     tree_pos2: bool = True
+    batch_size: int = 8
+    drafter: str = "auto"
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if not isinstance(self.draft_tokens, int) or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
+        if not _is_int(self.draft_tokens) or not 1 <= self.draft_tokens <= MAX_DRAFT_TOKENS:
             raise ValueError(f"draft_tokens must be an int in 1..{MAX_DRAFT_TOKENS}, got {self.draft_tokens!r}")
-        if not 0.0 < float(self.tau) <= 1.0:
+        if isinstance(self.tau, bool) or not isinstance(self.tau, (int, float)) or not 0.0 < self.tau <= 1.0:
             raise ValueError(f"tau must be in (0, 1], got {self.tau!r}")
-        if not isinstance(self.paths, int) or not 1 <= self.paths <= 8:
+        if not _is_int(self.paths) or not 1 <= self.paths <= 8:
             raise ValueError(f"paths must be an int in 1..8, got {self.paths!r}")
+        if not isinstance(self.tree_pos2, bool):
+            raise ValueError(f"tree_pos2 must be True or False, got {self.tree_pos2!r}")
+        if not _is_int(self.batch_size) or self.batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))}, got {self.drafter!r}")
 
     @property
     def speculative(self) -> bool:
@@ -54,15 +71,8 @@ class DecodeConfig:
 
     @property
     def max_paths(self) -> int:
-        """Rows a verify forward may have."""
-        return {
-            "baseline": 1,
-            "chain": 1,
-            "adaptive": 1,
-            "tree": 3 if self.tree_pos2 else 2,
-            "adaptive_tree": 2,
-            "paths": self.paths,
-        }[self.mode]
+        """Paths a row may verify in one step."""
+        return {"tree": 3 if self.tree_pos2 else 2, "adaptive_tree": 2, "paths": self.paths}.get(self.mode, 1)
 
     def stats_params(self) -> dict:
         """The parameters recorded with results."""
@@ -71,17 +81,15 @@ class DecodeConfig:
         tau = self.tau if self.mode in ("adaptive", "adaptive_tree") else None
         return {"draft_tokens": self.draft_tokens, "paths": self.max_paths, "tau": tau}
 
-    def propose(self, drafter, state, depth: int) -> list[list[int]] | mx.array:
-        """Draft for one verify step, at most ``depth`` tokens deep (>= 1)."""
-        k = min(self.draft_tokens, depth)
-        if self.mode == "chain":
-            return drafter.draft(state, k)
-        if self.mode == "adaptive":
-            return [drafter.draft_adaptive(state, k, self.tau)]
-        if self.mode == "tree":
-            return drafter.draft_tree(state, k, pos2=self.tree_pos2)
-        if self.mode == "adaptive_tree":
-            return drafter.draft_adaptive_tree(state, k, self.tau)
-        if self.mode == "paths":
-            return drafter.draft_paths(state, k, self.paths)
-        raise ValueError(f"mode {self.mode!r} does not draft")
+
+FIELDS = tuple(f.name for f in fields(DecodeConfig))
+"""The keyword names of `DecodeConfig`."""
+
+HELP = {
+    "draft_tokens": "K: draft depth (the most drafts a step, in the adaptive modes)",
+    "tau": "confidence threshold of the adaptive modes, in (0, 1]",
+    "paths": "P: candidate first tokens in 'paths' mode",
+    "tree_pos2": "'tree' mode adds the branch at draft position 2",
+    "drafter": "who drafts: " + ", ".join(DRAFTERS) + " (speed only)",
+}
+"""One line per field for command lines (mode and batch size are the job's)."""

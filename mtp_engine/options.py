@@ -40,30 +40,6 @@ decoding and verify forwards must share, or that only they take (the MoE
 kernel, compiled layers and head, layer dispatch), covers widths up to this
 one; wider forwards are prompt prefill."""
 
-CUDA_DISPATCH_MIN_TOKENS = 16
-"""Tokens (rows x width) from which a verify forward's layers dispatch on
-CUDA (`EngineOptions.layer_dispatch`). On the H200 (80B-A3B shapes) one
-sequence's verify forward of 4 tokens took 30 ms a step without dispatch
-and 38 ms with it (48 small submissions, no device work to hide); 8 rows of
-4 tokens were faster with it (66 against 87 ms). On the CPU every verify
-forward dispatches (one sequence: forward(4) 1.09-1.12x forward(1) with,
-1.23-1.36x without)."""
-
-GPU_MOE_SORT_MIN = 1024
-"""Routed selections from which a GPU's MoE blocks sort their tokens by
-expert: prefill chunks do, verify forwards and decoding batches do not."""
-
-GPU_MOE_GROUP_MIN = 1024
-"""Routed selections from which `EngineOptions.grouped_moe` runs each
-expert's tokens in blocks: at top-10 routing, prompt prefill chunks do (and,
-with `EngineOptions.moe_kernel` off, verify forwards of 32 rows x 4 tokens,
-1280); decoding batches of 32 rows (320), where MLX's own products were
-faster on the H200, do not."""
-
-CUDNN_ATTENTION = "MLX_CUDA_USE_CUDNN_SDPA"
-"""MLX's own switch for cuDNN attention on CUDA, which `apply_process_settings`
-sets from `EngineOptions.cudnn_attention` unless the user set it."""
-
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 
@@ -90,61 +66,30 @@ class EngineOptions:
     each field); True or False forces it (a forced path that cannot run is
     reported unavailable, never an error).
 
-    Attributes:
-        cpu_blas: MLX's CPU sgemm through the few-row kernel and OpenBLAS
-            (process-wide; ``native/cpu_blas.c``).
-        few_rows: Most rows a product may have to take the few-row kernel.
-        cpu_recurrence: The gated-delta recurrence over T tokens as one MLX
-            CPU primitive (``native/cpu_recurrence.cpp``).
-        cpu_activations: MLX's float32 SiLU, sigmoid and softmax vectorized
-            (``native/cpu_activations.cpp``).
-        cpp_drafter: Chain and adaptive drafts with the C++ head on the CPU
-            backend (``native/cpp_drafter.cpp``).
-        cpp_drafter_on_gpu: On a GPU, draft with the C++ head on the host CPU
-            while the GPU verifies (pays only for small heads).
-        cuda_recurrence: The gated-delta recurrence over T tokens in one CUDA
-            launch (``kernels/cuda/gated_delta_tokens.cu``).
-        cuda_chain_drafter: A whole chain of drafts in one CUDA launch
-            (``kernels/cuda/draft_chain.cu``), for small one-layer MoE heads.
-        compile_layers: Compiled decoder layers (None: on the CPU backend).
-        compile_head: The MLX head's draft forward compiled (None: where the
-            head's RoPE allows it).
-        rowwise_linears: Few-row dense products as batched matrix-vector
-            products (None: on CUDA).
-        flat_quantized: Quantized products over batched rows as one matrix
-            (None: on CUDA).
-        prefill_dequantized: With ``flat_quantized``, forwards wider than
-            `MAX_VERIFY_WIDTH` tokens a row (prompt prefill) take dense
-            products of the dequantized weights (None: on CUDA).
-        contiguous_moe: MoE routing indices made contiguous once per block.
-        moe_sort_min: With ``contiguous_moe``, sort the experts' tokens from
-            this many routed (token, expert) selections (None: mlx-lm's 64 on
-            the CPU, `GPU_MOE_SORT_MIN` on GPUs).
-        grouped_moe: With ``contiguous_moe``, from `GPU_MOE_GROUP_MIN` routed
-            selections each expert's tokens run in blocks of rows, so an
-            expert's weights are read once per block (None: on CUDA, whose
-            ``gather_qmm`` reads them once per selection).
-        moe_kernel: With ``contiguous_moe``, forwards of up to
-            `MAX_VERIFY_WIDTH` tokens a row (decoding, drafts, verify forwards) run the expert products
-            of 4- and 8-bit experts in the engine's CUDA kernel, which reads
-            an expert's weights once for several of its tokens (None: on
-            CUDA); prefill takes ``prefill_moe_kernel`` or ``grouped_moe``.
-        prefill_moe_kernel: With ``contiguous_moe``, forwards wider than
-            `MAX_VERIFY_WIDTH` tokens a row (prompt prefill) run the expert
-            products of bfloat16 models with 4-bit experts on the tensor
-            cores (``kernels/cuda/moe_tiles.cu``), each expert's weights read
-            once for up to 32 of its tokens (None: on CUDA); else
-            ``grouped_moe``.
-        layer_dispatch: In verify forwards (2 to `MAX_VERIFY_WIDTH` tokens a row;
-            on CUDA only those of `CUDA_DISPATCH_MIN_TOKENS` tokens or
-            more) each trunk decoder layer hands its output to the device as
-            soon as it is built (``mx.async_eval``), so the device computes a
-            layer while the host builds the next (not inside ``mx.grad`` or
-            ``mx.compile``).
-        state_capture: Verify forwards record per-token recurrent states, so
-            a commit is a lookup; False snapshots and replays instead.
-        cudnn_attention: cuDNN's fused attention on CUDA (MLX's default);
-            off by default, see docs/BACKENDS.md.
+    Attributes (docs/BACKENDS.md says what each replaces, where it is on
+    and the test that proves it exact):
+        cpu_blas, few_rows: MLX's CPU sgemm through the few-row kernel (products
+            of at most ``few_rows`` rows) and OpenBLAS, process-wide.
+        cpu_recurrence, cuda_recurrence: The gated-delta recurrence over T
+            tokens as one CPU primitive / one CUDA launch.
+        cpu_activations: MLX's float32 SiLU, sigmoid and softmax vectorized.
+        cpp_drafter, cpp_drafter_on_gpu: Greedy chain and adaptive drafts with
+            the C++ head on the CPU backend / on the host CPU of a GPU.
+        cuda_chain_drafter: A greedy chain of drafts in one CUDA launch.
+        compile_layers, compile_head: Compiled decoder layers (None: on the
+            CPU backend) and draft forward (None: where the head's RoPE
+            allows it).
+        rowwise_linears, flat_quantized, prefill_dequantized: Few-row dense
+            products, batched quantized products, prefill's 4-bit products
+            as dense ones (None: on CUDA).
+        contiguous_moe, moe_sort_min, grouped_moe, moe_kernel,
+            prefill_moe_kernel: MoE routing indices made contiguous once; the
+            selections from which tokens are sorted by expert (None: mlx-lm's
+            64 on the CPU, 1024 on GPUs); experts' tokens in blocks, and the
+            expert kernels of decoding widths and of prefill (None: on CUDA).
+        layer_dispatch: Verify forwards hand each trunk layer to the device
+            as soon as it is built.
+        cudnn_attention: cuDNN's fused attention on CUDA (MLX's default; off).
     """
 
     cpu_blas: bool = True
@@ -166,7 +111,6 @@ class EngineOptions:
     moe_kernel: bool | None = None
     prefill_moe_kernel: bool | None = None
     layer_dispatch: bool = True
-    state_capture: bool = True
     cudnn_attention: bool = False
 
     def __post_init__(self):
@@ -202,9 +146,7 @@ class EngineOptions:
         return cls(**values).with_switches(**overrides)
 
     def with_switches(self, **switches) -> "EngineOptions":
-        """A copy with some switches changed; unknown names are a ValueError
-        (the older keyword names in `RENAMED` are taken too)."""
-        switches = {RENAMED.get(k, k): v for k, v in switches.items()}
+        """A copy with some switches changed; unknown names are a ValueError."""
         known = {f.name for f in fields(self)}
         unknown = sorted(set(switches) - known)
         if unknown:
@@ -233,10 +175,6 @@ class EngineOptions:
         return name, parse_bool(name, value)
 
 
-RENAMED = {"use_checkpoints": "state_capture", "host_drafts": "cpp_drafter_on_gpu", "draft_kernel": "cuda_chain_drafter"}
-"""Keyword names the engine took before `EngineOptions` existed."""
-
-
 @dataclass(frozen=True)
 class FastPathStatus:
     """What one fast path ended up as in a loaded engine.
@@ -254,29 +192,3 @@ class FastPathStatus:
 
     def line(self) -> str:
         return f"fast path {self.name}: {self.state}" + (f" ({self.detail})" if self.detail else "")
-
-
-def is_cuda_backend() -> bool:
-    """Whether MLX computes on its CUDA backend (the default device is a GPU
-    and MLX was built for CUDA), where the CUDA fast paths can run."""
-    import mlx.core as mx  # here, not at the top: `mtp_engine` routes the CPU BLAS before MLX loads
-
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
-
-
-def cudnn_attention_on() -> bool:
-    """Whether MLX's CUDA backend uses cuDNN attention (its own default: on)."""
-    return os.environ.get(CUDNN_ATTENTION, "1") != "0"
-
-
-def mlx_settings() -> dict[str, str]:
-    """MLX's own environment settings (``MLX_*``) of this process, for a
-    benchmark's record: some (``MLX_MAX_OPS_PER_BUFFER``, the CUDA graph
-    size) move host time per forward on CUDA."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")}
-
-
-def apply_process_settings(options: EngineOptions) -> None:
-    """Settings MLX reads from the environment once, before its first kernel:
-    cuDNN attention on CUDA (a value the user exported is kept)."""
-    os.environ.setdefault(CUDNN_ATTENTION, "1" if options.cudnn_attention else "0")

@@ -83,6 +83,19 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
+FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "sampler")
+"""The keyword names of `SamplingParams`."""
+
+HELP = {
+    "temperature": "sampling temperature; 0 decodes greedily",
+    "top_p": "nucleus filter in (0, 1]; 1 is off",
+    "top_k": "keep the k likeliest tokens; 0 is off",
+    "min_p": "drop tokens under min_p x the likeliest's probability; 0 is off",
+    "seed": "the seed (a job's: each completion's seed derives from it, the row id and the sample index)",
+    "sampler": "exact: every mode, batch size and rank writes the same tokens for a seed; rejection: "
+               "speculative sampling, lossless in distribution",
+}
+"""One line per field for command lines."""
 
 
 def make_sampling(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
@@ -178,15 +191,18 @@ def choose(logits: mx.array, params: list[SamplingParams], positions: mx.array, 
     return mx.where(is_greedy, greedy, sampled)
 
 
-def ranked(logits: mx.array, params: SamplingParams, position: int, k: int) -> list[int]:
-    """The ``k`` best choices at one position of one row's ``[V]`` logits
-    (greedy: likeliest first; sampling: by perturbed score), for drafting
-    trees under the exact sampler."""
-    if params.greedy:
-        return mx.argsort(-logits)[:k].tolist()
-    score = scaled_logprobs(logits[None, None], [params])[0, 0] + gumbel(
-        [params.seed], mx.array([[position]]), logits.shape[-1])[0, 0]
-    return mx.argsort(-score)[:k].tolist()
+def ranked_rows(logits: mx.array, params: list[SamplingParams], positions: list[int], k: int) -> list[list[int]]:
+    """The ``k`` best choices of each row of ``[R, V]`` logits at its
+    generated position (greedy rows: likeliest first; sampling rows: by the
+    targets' perturbed scores), for branching drafts under the exact sampler."""
+    k = min(k, logits.shape[-1])
+    score = logits
+    if not all(p.greedy for p in params):
+        noise = gumbel([p.seed for p in params], mx.array(positions, dtype=mx.int32)[:, None], logits.shape[-1])
+        sampled = scaled_logprobs(logits[:, None], params)[:, 0] + noise[:, 0]
+        greedy = mx.array([p.greedy for p in params])[:, None]
+        score = mx.where(greedy, logits.astype(mx.float32), sampled)
+    return mx.argsort(-score, axis=-1)[:, :k].tolist()
 
 
 def draft_choice(logits: mx.array, params: list[SamplingParams], positions: mx.array) -> tuple[mx.array, mx.array | None]:

@@ -66,32 +66,26 @@ def completion_schema(version: int = SCHEMA_VERSION) -> pa.Schema:
 
 COMPLETION_SCHEMA = completion_schema()
 
-FINISH_REASONS = ("stop", "length", "error")
-
-
 def completion_row(
     *, id: str, index: int, line: int | None, prompt: str, result: GenerationResult, sample: int = 0,
     n: int = 1, chat: bool | None = None,
 ) -> dict:
     """An output row for a finished generation."""
     s = result.stats
-    if s.mode == "batch":
-        acceptance = {"mode": "batch", "prefill_s": s.prefill_s, "decode_s": s.decode_s}
-    else:
-        acceptance = {
-            "mode": s.mode,
-            "draft_tokens": s.draft_tokens,
-            "paths": s.paths,
-            "tau": s.tau,
-            "steps": s.steps,
-            "drafted": s.drafted,
-            "accepted": s.accepted,
-            "acceptance_length": s.acceptance_length,
-            "histogram": s.histogram,
-            "rescued": s.rescued,
-            "prefill_s": s.prefill_s,
-            "decode_s": s.decode_s,
-        }
+    acceptance = {
+        "mode": s.mode,
+        "draft_tokens": s.draft_tokens,
+        "paths": s.paths,
+        "tau": s.tau,
+        "steps": s.steps,
+        "drafted": s.drafted,
+        "accepted": s.accepted,
+        "acceptance_length": s.acceptance_length,
+        "histogram": s.histogram,
+        "rescued": s.rescued,
+        "prefill_s": s.prefill_s,
+        "decode_s": s.decode_s,
+    }
     return {
         "id": id,
         "sample": sample,

@@ -1,2 +1,2 @@
-"""The engine's caches: per-token recurrent-state capture (`capture`) and the
-operations a speculative step performs on a model's caches (`ops`)."""
+"""The engine's caches: per-token recurrent-state capture (`capture`) and a
+batch's caches, rows joining, leaving and committing (`batch`)."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 from functools import lru_cache
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from mtp_engine.cache.capture import StateCaptureCache, state_rows
 
@@ -53,9 +52,14 @@ class BatchKVCache:
     # -- the KVCache protocol mlx-lm's attention uses ---------------------
 
     @property
-    def offset(self) -> mx.array:
-        """Per-row RoPE offsets of the next forward's first input, ``[B]``
+    def offset(self) -> int | mx.array:
+        """The RoPE offset of the next forward's first input: one int when
+        every row is at the same position (a batch of one always is: RoPE
+        variants that take no array offset run there), else per row, ``[B]``
         (`host_array`: every layer of a forward shares one)."""
+        first = self.positions[0] if self.positions else 0
+        if all(p == first for p in self.positions):
+            return first
         return host_array(tuple(self.positions))
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
@@ -143,22 +147,24 @@ class BatchKVCache:
 
     def add_row(self, keys: mx.array | None, values: mx.array | None, length: int) -> None:
         """Append a row whose ``length`` entries are ``keys``/``values``
-        ``[1, heads, >= length, dim]`` (a prefilled batch-of-one cache).
-        The row's entries end at ``idx`` (the others' next write index); if
-        it is longer than ``idx``, the others get holes in front of theirs."""
-        if length == 0 or keys is None:
-            self._append(None, None, 0)
-            return
-        keys, values = keys[..., :length, :], values[..., :length, :]
-        if length > self.idx:
-            self._shift_to(length, keys, values)
-        self._append(keys, values, length)
+        ``[1, heads, >= length, dim]`` (a prefilled batch-of-one cache): a row
+        of holes, then filled as `replace_row` fills one."""
+        self.positions.append(0)
+        if self.keys is not None:
+            B, heads = self.keys.shape[:2]
+            self.keys = mx.concatenate([self.keys[..., : self.idx, :],
+                                        mx.zeros((1, heads, self.idx, self.keys.shape[3]), self.keys.dtype)])
+            self.values = mx.concatenate([self.values[..., : self.idx, :],
+                                          mx.zeros((1, heads, self.idx, self.values.shape[3]), self.values.dtype)])
+            self.valid = mx.concatenate([self.valid[:, : self.idx], mx.zeros((1, self.idx), dtype=mx.bool_)])
+        self.replace_row(len(self.positions) - 1, keys, values, length)
 
-    def replace_row(self, row: int, keys: mx.array, values: mx.array, length: int) -> None:
+    def replace_row(self, row: int, keys: mx.array | None, values: mx.array | None, length: int) -> None:
         """Put a prefilled row (as `add_row` takes it) in place of row
-        ``row``, one that left: its entries end at ``idx`` like every row's,
-        and the old row's all become holes. Only that row's slice is
-        written, where `filter` and `add_row` would copy every row."""
+        ``row``, one that left: its entries end at ``idx`` like every row's
+        (if it is longer than ``idx``, the others get holes in front of
+        theirs), and the old row's all become holes. Only that row's slice
+        is written, where `filter` and `add_row` would copy every row."""
         if not 0 <= row < len(self.positions):
             raise ValueError(f"row {row} of a batch of {len(self.positions)}")
         if keys is None:  # a row with no entries yet
@@ -206,30 +212,23 @@ class BatchKVCache:
             axis=2)
         self.valid = mx.concatenate([self.valid[:, : self.idx], mx.zeros((B, gap), dtype=mx.bool_)], axis=1)
         self.idx = idx
-        if B:
+        if B > 1:  # the other rows (the caller fills one) start with a gap
             self.holes = True
 
-    def _append(self, keys: mx.array | None, values: mx.array | None, length: int) -> None:
-        pad = self.idx - length
-        if self.keys is None:  # nothing written yet, by any row
-            self.positions.append(length)
-            return
-        heads = self.keys.shape[1]
-        if keys is None:
-            keys = mx.zeros((1, heads, 0, self.keys.shape[3]), self.keys.dtype)
-            values = mx.zeros((1, heads, 0, self.values.shape[3]), self.values.dtype)
-        row_k = mx.concatenate([mx.zeros((1, heads, pad, keys.shape[3]), keys.dtype), keys], axis=2)
-        row_v = mx.concatenate([mx.zeros((1, heads, pad, values.shape[3]), values.dtype), values], axis=2)
-        row_valid = mx.arange(self.idx)[None] >= pad
-        self.keys = mx.concatenate([self.keys[..., : self.idx, :], row_k.astype(self.keys.dtype)], axis=0)
-        self.values = mx.concatenate([self.values[..., : self.idx, :], row_v.astype(self.values.dtype)], axis=0)
-        self.valid = mx.concatenate([self.valid[:, : self.idx], row_valid], axis=0)
-        self.positions.append(length)
-        if pad:
-            self.holes = True
+    def take(self, rows: list[int]) -> "BatchKVCache":
+        """A new cache holding these rows (repeats allowed: a row per path
+        of a draft tree); this one is unchanged."""
+        out = BatchKVCache()
+        out.idx, out.holes = self.idx, self.holes
+        out.positions = [self.positions[r] for r in rows]
+        if self.keys is not None:
+            index = mx.array(rows, dtype=mx.int32)
+            out.keys, out.values, out.valid = self.keys[index], self.values[index], self.valid[index]
+        return out
 
-    def filter(self, rows: list[int]) -> None:
-        """Keep only these rows (in this order); drop entries no row attends."""
+    def filter(self, rows: list[int], trim: bool = True) -> None:
+        """Keep only these rows (in this order); with ``trim``, drop the
+        leading entries no row attends (a host sync)."""
         self.positions = [self.positions[r] for r in rows]
         if self.keys is None:
             return
@@ -239,24 +238,18 @@ class BatchKVCache:
             self.keys = self.values = self.valid = None
             self.idx, self.holes = 0, False
             return
-        self.trim_leading()  # leading entries that every remaining row has as holes go
+        if trim:
+            self.trim_leading()  # leading entries that every remaining row has as holes go
 
 
 @lru_cache(maxsize=8)
 def host_array(values: tuple[int, ...]) -> mx.array:
     """``values`` as an int32 array, made once for equal values: each layer's
     cache asks for the same RoPE offsets (and keep counts) in a forward, and
-    on MLX's CUDA backend an array made from host values cost about 0.2 ms
-    (H200, cProfile of a B=32 chain step: 28 offsets a step). Shared, so
+    on MLX's CUDA backend each array made from host values costs host time
+    (docs/BACKENDS.md, "Tuning constants"). Shared, so
     nothing may update one in place (``+=`` or a slice assignment on it)."""
     return mx.array(values, dtype=mx.int32)
-
-
-def single_to_batch(cache: KVCache) -> BatchKVCache:
-    """A batch-of-one `BatchKVCache` holding a prefilled ``KVCache``'s entries."""
-    batch = BatchKVCache()
-    batch.add_row(cache.keys, cache.values, cache.offset)
-    return batch
 
 
 def commit_rows(caches: list, width: int, keep: list[int]) -> None:
@@ -264,6 +257,8 @@ def commit_rows(caches: list, width: int, keep: list[int]) -> None:
     ``b`` keeps its first ``keep[b]`` inputs in every cache: attention
     caches settle (holes for the rest), recurrent caches take the state
     captured after input ``keep[b] - 1`` of that row."""
+    if any(not 1 <= k <= width for k in keep):
+        raise ValueError(f"keep counts must be in 1..{width}, got {keep}")
     every = all(k == width for k in keep)
     # Each row's last kept input: one token for all rows, or one array for
     # every layer's per-row gathers.
@@ -330,12 +325,14 @@ def trim_leading(batch: list, least: int) -> None:
             c.trim_leading(least)
 
 
-def filter_rows(batch: list, rows: list[int]) -> None:
-    """Keep only these rows of the batch's caches, in this order."""
+def filter_rows(batch: list, rows: list[int], trim: bool = True) -> None:
+    """Keep only these rows of the batch's caches, in this order (repeats
+    allowed); with ``trim``, attention caches drop leading entries no row
+    attends."""
     index = mx.array(rows, dtype=mx.int32)
     for c in batch:
         if isinstance(c, BatchKVCache):
-            c.filter(rows)
+            c.filter(rows, trim)
         else:
             c.cache = [x[index] if x is not None else None for x in c.cache] if rows else [None] * len(c.cache)
             c.clear_captured()

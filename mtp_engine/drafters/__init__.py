@@ -1,4 +1,5 @@
-"""Drafters: the MLX head (`mlx_head`, every mode; its forward compiled by
-`compiled_head`), the C++ head on the CPU (`cpp_head`, chain and adaptive)
-and the CUDA chain kernel (`cuda_chain`, chain). All implement
-`base.Drafter`; `select` builds them for an engine and picks one per mode."""
+"""Drafters for the rows of a batch: the MLX head (`head`, every mode; its
+forward compiled by `compiled_head`), the C++ head on the CPU (`cpp_head`,
+greedy chain and adaptive) and the CUDA chain kernel (`cuda_chain`, a greedy
+chain for one row). All implement `base.Drafter`; `select` builds what an
+engine shares and makes a decoder's drafter."""

@@ -1,49 +1,68 @@
 """The interface every drafter implements.
 
-A drafter proposes tokens from the MTP head; the trunk's verify forward
-decides what is emitted, so a drafter changes speed, never the output. All
-drafters keep the same bookkeeping: each generation gets a state (the head's
-KV cache plus the *pending* pairs, ``(H_i, t_{i+1})`` pairs the head has not
-consumed yet). After every commit the pending pairs are the accepted tokens
-against the trunk's true hiddens, so the head's cache always matches the
-committed text; the next draft consumes them in the forward that makes its
-first draft token.
+A drafter proposes tokens from the MTP head for the rows of a batch (one row
+is a batch of one); the trunk's verify forward decides what is emitted, so a
+drafter changes speed, never the output. Every drafter keeps the same
+bookkeeping per row: the head's cache plus the *pending* pairs, ``(H_i,
+t_{i+1})`` pairs the head has not consumed yet. After every commit the
+pending pairs are the accepted tokens against the trunk's true hiddens, so
+the head's cache always matches the committed text; the next draft consumes
+them in the forward that makes its first draft token.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
 
 
-class Drafter(Protocol):
-    """What the engine calls on a drafter.
+@dataclass
+class Proposal:
+    """What a drafter proposes for one verify forward.
 
     Attributes:
-        name: The drafter's name, as ``generate(drafter=...)`` takes it.
+        tokens: ``[V, k]`` int32 drafts, one verify row per path (may be
+            lazy: the verify forward reads them back with its targets).
+        owners: The row each verify row drafts for (None: verify row ``v``
+            is row ``v``); a row's paths are consecutive.
+        uses: How many of its ``k`` drafts each verify row uses (None: all).
+        q_scaled: Rejection sampler: the head's ``[V, k, vocab]`` filtered,
+            temperature-scaled log-probabilities at the drafts (chains).
+    """
+
+    tokens: mx.array
+    owners: list[int] | None = None
+    uses: list[int] | None = None
+    q_scaled: mx.array | None = None
+
+
+class Drafter(Protocol):
+    """What the decoder calls on a drafter.
+
+    Attributes:
+        name: The drafter's name, as ``DecodeConfig(drafter=...)`` takes it.
         modes: The decoding modes it can draft.
+        rows: Rows it drafts for.
     """
 
     name: str
     modes: frozenset[str]
+    rows: int
 
-    def new_state(self):
-        """A fresh per-generation state."""
+    def add_row(self, slot: int | None, prompt_hidden: mx.array, pairs: list[int], key=None) -> None:
+        """A row joins (at the end, or in place of row ``slot``, one that
+        left) with its prompt's pairs ``(prompt_hidden[0, j], pairs[j])``."""
 
-    def set_pending(self, state, hidden: mx.array, tokens: list[int], row: int = 0) -> None:
-        """Queue pairs ``(hidden[row, j], tokens[j])`` (``hidden``
-        ``[rows, >= len(tokens), dim]``) for the next draft forward."""
+    def filter(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order."""
 
-    def commit(self, state, hidden: mx.array, tokens: list[int], row: int = 0) -> None:
-        """Drop the entries drafting wrote and queue the accepted pairs:
-        positions ``0..n`` of ``row`` of the verify forward's hiddens
-        ``[P, K+1, dim]`` with the tokens the step emitted."""
+    def propose(self, decode, k: int, params: list, starts: list[int], caps: list[int]) -> Proposal:
+        """Drafts for one verify forward (``k`` deep at most, row ``b`` using
+        at most ``caps[b]``, its choices at generated positions ``starts[b]..``)."""
 
-    def draft(self, state, k: int) -> mx.array:
-        """A chain of ``k`` greedy draft tokens, ``[1, k]`` int32 (may be
-        lazy: the verify forward reads it back with its targets)."""
-
-    def draft_adaptive(self, state, depth_max: int, tau: float) -> list[int]:
-        """A greedy chain that stops once the running product of top-1
-        probabilities falls below ``tau``; 1..depth_max tokens."""
+    def commit(self, hidden: mx.array, emitted: list[list[int]], winners: list[int]) -> None:
+        """Rewind what drafting wrote and queue each row's accepted pairs:
+        positions ``0..n`` of verify row ``winners[b]`` of the hiddens
+        ``[V, K+1, dim]`` with the tokens row ``b`` emitted."""

@@ -14,8 +14,8 @@ head's KV cache, which grows every step. So the forward is cut around it:
 - eager: the KV cache update and scaled dot-product attention;
 - ``between`` (heads with several layers): one layer's output projection and
   MoE half, and the next layer's projections;
-- ``leave``: the last layer's output projection and MoE half, the final
-  norm, the LM head on the last position and the greedy token.
+- ``finish``: the last layer's output projection and MoE half and the
+  final norm.
 
 ``mx.compile`` traces each piece once per input width and replays it from
 C++, fusing its elementwise ops. Drafts only propose tokens, so a compiled
@@ -52,37 +52,25 @@ def _layer_output(layer: nn.Module, x: mx.array, attended: mx.array, gate: mx.ar
     return mlp_residual(layer, x + gated_attention_output(layer.self_attn, attended, gate))
 
 
-def last_draft(m: mx.array, lm_head) -> tuple[mx.array, mx.array, mx.array]:
-    """The last position of the head's hiddens ``m`` ``[1, L, dim]``: its
-    logits ``[vocab]``, hidden ``[1, 1, dim]`` and greedy token ``[1, 1]``
-    int32 (lazy)."""
-    m_last = m[:, -1:, :]
-    logits = lm_head(m_last)[0, 0]
-    return logits, m_last, mx.argmax(logits).astype(mx.int32).reshape(1, 1)
-
-
 class CompiledHead:
     """Runs an `MTPHead` forward with all but its KV-cache attention compiled.
 
     Args:
         head: The head (see `can_compile_head`).
         embed: The trunk's token embedding.
-        lm_head: The trunk's LM head (hiddens to logits).
 
     The compiled pieces hold the weights as they are at construction, like
     the engine's compiled layers: build it after the last cast.
     """
 
-    def __init__(self, head: MTPHead, embed: nn.Module, lm_head):
+    def __init__(self, head: MTPHead, embed: nn.Module):
         if not can_compile_head(head):
             raise ValueError("CompiledHead needs heads whose attention uses mlx's nn.RoPE")
         self.head = head
         self.embed = embed
-        self.lm_head = lm_head
         layers = head.layers
         self._enter = mx.compile(self._enter_impl)
         self._between = [mx.compile(partial(self._between_impl, j)) for j in range(len(layers) - 1)]
-        self._leave = mx.compile(self._leave_impl)
         self._finish = mx.compile(self._finish_impl)
 
     def _enter_impl(self, hidden: mx.array, tokens: mx.array, offset: mx.array):
@@ -100,21 +88,8 @@ class CompiledHead:
         nxt = self.head.layers[j + 1]
         return (x, *gated_attention_inputs(nxt.self_attn, nxt.input_layernorm(x), offset))
 
-    def _leave_impl(self, x, attended, gate):
-        return last_draft(self._finish_impl(x, attended, gate), self.lm_head)
-
     def _finish_impl(self, x, attended, gate):
         return self.head.norm(_layer_output(self.head.layers[-1], x, attended, gate))
-
-    def __call__(self, hidden: mx.array, tokens: mx.array, cache: list):
-        """The head over pairs ``(hidden[:, j], tokens[:, j])`` (``[1, L, dim]``
-        and ``[1, L]``, L <= `MAX_VERIFY_WIDTH`) with its KV caches.
-
-        Returns:
-            The last position's logits ``[vocab]``, its hidden ``M``
-            ``[1, 1, dim]`` and greedy token ``[1, 1]`` int32 (all lazy).
-        """
-        return self._leave(*self._attend(hidden, tokens, cache))
 
     def hiddens(self, hidden: mx.array, tokens: mx.array, cache: list) -> mx.array:
         """The head's final-normed hiddens ``M`` at every position, for

@@ -11,9 +11,9 @@ Drafts only propose: the verify forward decides every emitted token, so the
 C++ arithmetic need not match MLX's bit for bit, only closely enough to
 draft the same tokens (tests compare its logits with the MLX head's).
 
-It serves chain and adaptive modes when the model runs on the CPU in float32
-(not quantized) and the head has the layout it knows (`head_weights`); the
-tree modes keep the MLX drafter (they fork the head's cache). On a GPU it is
+It serves chain and adaptive modes, greedy, when the model runs on the CPU in
+float32 (not quantized) and the head has the layout it knows
+(`head_weights`); the tree modes and sampling keep the MLX head. On a GPU it is
 opt-in (`EngineOptions.cpp_drafter_on_gpu`): the head then drafts on the
 host CPU from float32 copies while the GPU verifies.
 """
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from mtp_engine.drafters.base import Proposal
 from mtp_engine.drafters.head_weights import FLOATS, UnsupportedHead, head_weights
 from mtp_engine.kernels.extensions import load_extension, unavailable_reason
 from mtp_engine.model.mtp_head import MTPHead
@@ -67,8 +68,8 @@ def build_cpp_head(head: MTPHead, embed: nn.Module, lm_head: nn.Module, on_gpu: 
 
 
 @dataclass
-class CppDraftState:
-    """One generation's C++ head session and the pairs it has not consumed."""
+class CppRow:
+    """One row's C++ head session and the pairs it has not consumed."""
 
     session: object
     pending_hidden: mx.array | None = None
@@ -76,82 +77,82 @@ class CppDraftState:
     pending_tokens: list[int] = field(default_factory=list)
     base: int = 0
 
+    def take_pending(self) -> tuple[mx.array, int, list[int]]:
+        """The pending pairs (consumed by the next draft)."""
+        hidden, row, tokens = self.pending_hidden, self.pending_row, self.pending_tokens
+        if hidden is None or not tokens:
+            raise RuntimeError("drafting needs pending pairs (add_row/commit)")
+        self.base += len(tokens)
+        self.pending_hidden, self.pending_tokens = None, []
+        return hidden, row, tokens
+
 
 class CppDrafter:
-    """Chain and adaptive drafts with the C++ head (the `Drafter` interface)."""
+    """Chain and adaptive drafts with the C++ head, one session per row (the
+    `mtp_engine.drafters.base.Drafter` interface; greedy only)."""
 
     name = "cpp"
     modes = frozenset({"chain", "adaptive"})
 
     def __init__(self, head):
         self.head = head
+        self.states: list[CppRow] = []
 
-    def new_state(self) -> CppDraftState:
-        return CppDraftState(session=self.head.session())
+    @property
+    def rows(self) -> int:
+        return len(self.states)
 
-    def set_pending(self, state: CppDraftState, hidden: mx.array, tokens: list[int], row: int = 0) -> None:
-        """Queue pairs ``(hidden[row, j], tokens[j])``; the C++ head reads
-        them straight from ``hidden`` (``[rows, >= len(tokens), dim]``)."""
-        if hidden.shape[1] < len(tokens):
-            raise ValueError(f"{hidden.shape[1]} hiddens for {len(tokens)} tokens")
-        state.pending_hidden, state.pending_row = hidden, row
-        state.pending_tokens = list(tokens)
+    def add_row(self, slot: int | None, prompt_hidden: mx.array, pairs: list[int], key=None) -> None:
+        """A joining row: the C++ head reads its prompt's pairs straight from
+        ``prompt_hidden`` in its first draft."""
+        if prompt_hidden.shape[1] < len(pairs):
+            raise ValueError(f"{prompt_hidden.shape[1]} hiddens for {len(pairs)} tokens")
+        row = CppRow(self.head.session(), prompt_hidden, 0, list(pairs))
+        if slot is None:
+            self.states.append(row)
+        else:
+            self.states[slot] = row
 
-    def commit(self, state: CppDraftState, hidden: mx.array, tokens: list[int], row: int = 0) -> None:
-        """Drop the drafted cache entries and queue the accepted pairs."""
-        state.session.rewind(state.base)
-        self.set_pending(state, hidden, tokens, row)
+    def filter(self, rows: list[int]) -> None:
+        self.states = [self.states[r] for r in rows]
 
-    def _pending(self, state: CppDraftState) -> tuple[mx.array, int, list[int]]:
-        """Take the pending pairs (they are consumed by the next draft)."""
-        hidden, row, tokens = state.pending_hidden, state.pending_row, state.pending_tokens
-        if hidden is None or not tokens:
-            raise RuntimeError("drafting needs pending pairs (set_pending/commit)")
-        state.base += len(tokens)
-        state.pending_hidden, state.pending_tokens = None, []
-        return hidden, row, tokens
-
-    def draft(self, state: CppDraftState, k: int) -> mx.array:
-        """K greedy draft tokens, ``[1, k]`` int32. On the CPU backend it is
-        not read back: like the MLX drafter's chains, it is evaluated on
-        MLX's CPU stream (the C++ head runs there) while the host builds the
-        verify forward on top of it."""
+    def propose(self, decode, k: int, params, starts, caps) -> Proposal:
+        """Greedy chains of ``k`` drafts for every row together (each
+        product of the head takes all rows at once: a weight is read once per
+        tile of rows), or adaptive chains row by row. Chains are lazy on the
+        CPU backend: evaluated on MLX's CPU stream (the C++ head runs there)
+        while the host builds the verify forward on top of them."""
+        if not all(p.greedy for p in params):
+            raise ValueError("the C++ drafter drafts greedily; sampling drafts with the MLX head")
         if k < 1:
-            raise ValueError(f"a chain draft needs k >= 1 tokens, got {k}")
-        hidden, row, tokens = self._pending(state)
+            raise ValueError(f"a draft needs k >= 1 tokens, got {k}")
+        if decode.mode == "adaptive":
+            chains = []
+            for state, cap in zip(self.states, caps):  # a row at its budget still consumes its pairs
+                hidden, row, tokens = state.take_pending()
+                chains.append(state.session.draft(hidden, tokens, max(1, min(k, cap)), decode.tau, row)[0])
+            width = max(len(c) for c in chains)
+            return Proposal(mx.array([c + [c[-1]] * (width - len(c)) for c in chains], dtype=mx.int32),
+                            uses=[min(len(c), cap) for c, cap in zip(chains, caps)])
+        hiddens, sources, rows, tokens = {}, [], [], []  # hiddens: each array once, by identity
+        for state in self.states:
+            hidden, row, pairs = state.take_pending()
+            sources.append(hiddens.setdefault(id(hidden), (len(hiddens), hidden))[0])
+            rows.append(row)
+            tokens.append(pairs)
+        sessions = [s.session for s in self.states]
+        drafts = extension().draft_batch(sessions, [h for _, h in hiddens.values()], sources, rows, tokens, k)
         if mx.default_device() != mx.cpu:
             # Host drafts for a GPU model are drafted at once: a verify on the
             # GPU waiting on an array of the CPU stream hung on MLX 0.32.4's
             # CUDA backend.
-            return mx.array([state.session.draft(hidden, tokens, k, 0.0, row)[0]], dtype=mx.int32)
-        drafts = state.session.draft_lazy(hidden, tokens, k, row)
-        mx.async_eval(drafts)
-        return drafts
+            drafts = mx.array(drafts.tolist(), dtype=mx.int32)
+        else:
+            mx.async_eval(drafts)
+        return Proposal(drafts, uses=caps)
 
-    def draft_batch(self, states: list[CppDraftState], k: int) -> mx.array:
-        """K greedy drafts for each of several generations, ``[len(states),
-        k]`` int32, drafted together: every product of the head takes all
-        their rows at once (each weight is read once per tile of rows, not
-        once per generation). Each row's drafts are the ones `draft` gives
-        it alone. Lazy on the CPU backend, as `draft`."""
-        if k < 1:
-            raise ValueError(f"a chain draft needs k >= 1 tokens, got {k}")
-        hiddens, sources, rows, tokens = {}, [], [], []  # hiddens: each array once, by identity
-        for state in states:
-            hidden, row, pairs = self._pending(state)
-            sources.append(hiddens.setdefault(id(hidden), (len(hiddens), hidden))[0])
-            rows.append(row)
-            tokens.append(pairs)
-        hiddens = [h for _, h in hiddens.values()]
-        drafts = extension().draft_batch([s.session for s in states], hiddens, sources, rows, tokens, k)
-        if mx.default_device() != mx.cpu:  # drafted at once, as `draft` does on a GPU
-            return mx.array(drafts.tolist(), dtype=mx.int32)
-        mx.async_eval(drafts)
-        return drafts
-
-    def draft_adaptive(self, state: CppDraftState, depth_max: int, tau: float) -> list[int]:
-        """Greedy chain that stops once the running product of top-1
-        probabilities falls below ``tau``; 1..depth_max tokens."""
-        hidden, row, tokens = self._pending(state)
-        drafts, _ = state.session.draft(hidden, tokens, depth_max, tau, row)  # evaluates ``hidden``
-        return drafts
+    def commit(self, hidden: mx.array, emitted: list[list[int]], winners: list[int]) -> None:
+        """Drop the drafted cache entries and queue each row's accepted pairs."""
+        for state, tokens, row in zip(self.states, emitted, winners):
+            state.session.rewind(state.base)
+            state.pending_hidden, state.pending_row, state.pending_tokens = hidden, row, list(tokens)

@@ -7,16 +7,53 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from mtp_engine.drafters.head_weights import UnsupportedHead
-from mtp_engine.drafters.mlx_head import MLXDrafter, MTPDraftState
+from mtp_engine.drafters.base import Proposal
+from mtp_engine.drafters.head import HeadDrafter
+from mtp_engine.drafters.head_weights import FLOATS, UnsupportedHead, head_weights
 from mtp_engine.kernels.cuda_chain import (
     MAX_DRAFTS,
     MAX_PENDING,
+    MAX_STEP_BYTES,
+    WEIGHT_ORDER,
     ChainKernel,
     availability,
-    kernel_weights,
 )
 from mtp_engine.model.mtp_head import MTPHead
+
+
+def kernel_weights(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> tuple[list[mx.array], dict]:
+    """The kernel's weights (in `WEIGHT_ARGS` order) and configuration.
+
+    Raises:
+        UnsupportedHead: several MTP layers, quantized or mixed-dtype
+            weights, a dense MLP, a scaled or traditional RoPE, widths that
+            are not whole 16-byte loads, or a head too large for one block
+            (`MAX_STEP_BYTES`).
+    """
+    if len(head.layers) != 1:
+        raise UnsupportedHead(f"it has {len(head.layers)} MTP layers; the kernel runs one")
+    named, config = head_weights(head, embed, lm_head, FLOATS)
+    dtypes = {w.dtype for w in named.values()}
+    if len(dtypes) != 1:
+        raise UnsupportedHead(f"its weights mix dtypes ({', '.join(sorted(map(str, dtypes)))})")
+    dtype = dtypes.pop()
+    lanes = 16 // dtype.size
+    widths = (config["dim"], config["heads"] * config["head_dim"], config["expert_dim"], config["shared_dim"])
+    if any(w % lanes for w in widths):
+        raise UnsupportedHead(f"a width of {widths} is not a whole number of 16-byte loads")
+    if config["heads"] % config["kv_heads"] or config["rope_dims"] % 2 or config["top_k"] > config["experts"]:
+        raise UnsupportedHead("its head counts, rotary width or top-k do not fit the kernel")
+    dim = config["dim"]
+    step_bytes = dtype.size * (
+        config["vocab"] * dim + 2 * dim * dim
+        + dim * (2 * config["heads"] + 2 * config["kv_heads"]) * config["head_dim"]
+        + config["heads"] * config["head_dim"] * dim
+        + 3 * dim * (config["top_k"] * config["expert_dim"] + config["shared_dim"])
+    )
+    if step_bytes > MAX_STEP_BYTES:
+        raise UnsupportedHead(f"a draft step reads {step_bytes >> 20} MB, over the kernel's {MAX_STEP_BYTES >> 20} MB")
+    return [mx.contiguous(named[name]) for name in WEIGHT_ORDER], config
+
 
 
 def build_chain_kernel(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> tuple[ChainKernel | None, str | None]:
@@ -32,45 +69,38 @@ def build_chain_kernel(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> t
     return ChainKernel(weights, config), None
 
 
-class CudaChainDrafter(MLXDrafter):
-    """`MLXDrafter` whose chain drafts run as one `ChainKernel` launch.
+class CudaChainDrafter(HeadDrafter):
+    """`HeadDrafter` whose chains, for a batch of one row, run as one
+    `ChainKernel` launch.
 
-    The other strategies (adaptive, trees, paths) branch on each step's
-    result on the host and stay with the MLX head; the engine uses this
-    drafter for chain mode only. The head's KV cache and pending pairs are
-    the MLX drafter's, so the two can take turns on one state.
+    The kernel drafts one sequence; other batches, other modes and sampling
+    draft with the MLX head (the head's cache and pending pairs are the MLX
+    drafter's, so the two take turns on one state).
     """
-
-    modes = frozenset({"chain"})
 
     def __init__(self, head: MTPHead, embed: nn.Module, lm_head, kernel, prefill_step_size: int = 2048):
         # Not compiled: here the MLX head only consumes the pairs of a prompt
         # ahead of its last when there are more than 16, once per generation;
-        # a second `CompiledHead` would trace each such width for one use.
+        # a `CompiledHead` would trace each such width for one use.
         super().__init__(head, embed, lm_head, prefill_step_size)
         self.name = "cuda"
         self.kernel = kernel
 
-    def draft(self, state: MTPDraftState, k: int) -> mx.array:
-        """K greedy draft tokens, ``[1, k]`` int32, from one kernel launch
-        (its evaluation starts at once; not read back)."""
-        if k < 1:
-            raise ValueError(f"a chain draft needs k >= 1 tokens, got {k}")
-        if k > MAX_DRAFTS:
-            return super().draft(state, k)
-        hidden, tokens = self.pending(state)
+    def propose(self, decode, k: int, params, starts, caps) -> Proposal:
+        """K greedy drafts of the one row, ``[1, k]`` int32, from one kernel
+        launch (its evaluation starts at once; not read back)."""
+        if self.rows != 1 or decode.mode != "chain" or not params[0].greedy or not 1 <= k <= MAX_DRAFTS:
+            return super().propose(decode, k, params, starts, caps)
+        hidden, tokens, _ = self._gather_pending()
+        tokens = tokens[0]
+        c = self.cache[0]
         if len(tokens) > MAX_PENDING:
             # A prompt's pairs: all but the last through the MLX head (chunked).
-            self.set_pending(state, hidden[:, :-1], tokens[:-1])
-            self.first_step(state)
-            hidden, tokens = hidden[:, -1:], tokens[-1:]
-        c = state.cache[0]
-        drafts, new_k, new_v = self.kernel(
-            hidden.reshape(-1, hidden.shape[-1]), tokens, c.keys, c.values, c.offset, k
-        )
+            self._forward(hidden[:, : len(tokens) - 1], mx.array(tokens[:-1])[None], self.cache)
+            hidden, tokens = hidden[:, len(tokens) - 1 : len(tokens)], tokens[-1:]
+        drafts, new_k, new_v = self.kernel(hidden[0, : len(tokens)], tokens, c.keys, c.values, c.idx, k)
         shape = (1, new_k.shape[0], len(tokens), new_k.shape[2])
         c.update_and_fetch(new_k.reshape(shape), new_v.reshape(shape))
-        state.pending_hidden, state.pending_tokens = None, []
-        state.base = c.offset
+        self._base = (c.idx, list(c.positions))
         mx.async_eval(drafts)
-        return drafts.reshape(1, k)
+        return Proposal(drafts.reshape(1, k), uses=caps)

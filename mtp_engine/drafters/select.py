@@ -1,8 +1,10 @@
-"""Building an engine's drafters and picking one per generation.
+"""What an engine builds once for drafting, and the drafter a decoder gets.
 
-"auto" takes the fastest drafter that serves the mode: the C++ head for
-chain and adaptive drafts where the engine has it, else the CUDA chain
-kernel for chains, else the MLX head. Drafters change speed, never output.
+"auto" takes the fastest drafter that serves the mode and the rows'
+sampling: the C++ head for greedy chains and adaptive chains where the
+engine has it, else the CUDA chain kernel for greedy chains (a batch of one
+row; other batches fall back to the MLX head inside it), else the MLX head.
+Drafters change speed, never output.
 """
 
 from __future__ import annotations
@@ -11,41 +13,32 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from mtp_engine.drafters.base import Drafter
-from mtp_engine.drafters.compiled_head import can_compile_head
+from mtp_engine.drafters.compiled_head import CompiledHead, can_compile_head
 from mtp_engine.drafters.cpp_head import CppDrafter, build_cpp_head
-from mtp_engine.drafters.mlx_head import MLXDrafter
+from mtp_engine.drafters.head import HeadDrafter
 from mtp_engine.model.install import decide
+from mtp_engine.modes import DRAFTERS
 from mtp_engine.options import EngineOptions, FastPathStatus
-from mtp_engine.sampling import GREEDY, SamplingParams
-
-DRAFTERS = ("auto", "mlx", "mlx-eager", "cpp", "cuda")
-"""Who may draft (``generate(drafter=...)``); "c++" is taken as "cpp"."""
 
 
 @dataclass
-class EngineDrafters:
-    """The drafters one engine holds.
+class DrafterParts:
+    """What an engine's drafters share: the head and its compiled forward,
+    the C++ head, the CUDA chain kernel (None where unavailable)."""
 
-    Attributes:
-        mlx: The MLX head (compiled where `EngineOptions.compile_head` allows).
-        mlx_eager: The MLX head, never compiled (the same object as ``mlx``
-            when that is not compiled).
-        cpp: The C++ head, or None.
-        cuda: The CUDA chain kernel's drafter, or None.
-        statuses: What the drafting fast paths ended up as.
-    """
-
-    mlx: MLXDrafter
-    mlx_eager: MLXDrafter
-    cpp: CppDrafter | None = None
-    cuda: Drafter | None = None
+    head: object
+    embed: object
+    lm_head: object
+    prefill_step_size: int
+    compiled: CompiledHead | None = None
+    cpp: object | None = None
+    kernel: object | None = None
     statuses: list[FastPathStatus] = field(default_factory=list)
 
 
 def build_drafters(head, embed, lm_head, lm_head_module, prefill_step_size: int,
-                   options: EngineOptions) -> EngineDrafters:
-    """Drafters for a loaded head.
+                   options: EngineOptions) -> DrafterParts:
+    """Drafting parts for a loaded head.
 
     Args:
         head: The `MTPHead`; embed: the trunk's embedding.
@@ -58,66 +51,67 @@ def build_drafters(head, embed, lm_head, lm_head_module, prefill_step_size: int,
     compiles = can_compile_head(head)
     compiled = decide("compile_head", options.compile_head, compiles,
                       None if compiles else "the head's RoPE takes no array offset", "draft forward in 3 traces")
-    mlx = MLXDrafter(head, embed, lm_head, prefill_step_size, compiled=compiled.state == "on")
-    eager = MLXDrafter(head, embed, lm_head, prefill_step_size) if mlx.compiled is not None else mlx
-    statuses = [compiled]
+    parts = DrafterParts(head, embed, lm_head, prefill_step_size, statuses=[compiled])
+    if compiled.state == "on":
+        parts.compiled = CompiledHead(head, embed)
 
     on_gpu = mx.default_device() != mx.cpu
     wanted = options.cpp_drafter_on_gpu if on_gpu else options.cpp_drafter
-    cpp, why = (None, None)
+    why = None
     if wanted:
-        native, why = build_cpp_head(head, embed, lm_head_module, on_gpu=on_gpu)
-        cpp = CppDrafter(native) if native is not None else None
-    where = "on the host CPU while the GPU verifies" if on_gpu else "chain and adaptive drafts"
+        parts.cpp, why = build_cpp_head(head, embed, lm_head_module, on_gpu=on_gpu)
+    where = "on the host CPU while the GPU verifies" if on_gpu else "greedy chain and adaptive drafts"
     if on_gpu:  # opt-in there: "off" is the backend's default, not a choice
-        statuses.append(decide("cpp_drafter", True if wanted else None, False, why, where))
+        parts.statuses.append(decide("cpp_drafter", True if wanted else None, False, why, where))
     else:
-        statuses.append(decide("cpp_drafter", wanted, True, why, where))
+        parts.statuses.append(decide("cpp_drafter", wanted, True, why, where))
 
-    cuda, why = None, None
+    why = None
     if options.cuda_chain_drafter:
-        from mtp_engine.drafters.cuda_chain import (  # CUDA only
-            CudaChainDrafter,
-            build_chain_kernel,
-        )
+        from mtp_engine.drafters.cuda_chain import build_chain_kernel  # CUDA only
 
-        kernel, why = build_chain_kernel(head, embed, lm_head_module) if on_gpu else (None, "not MLX's CUDA backend")
-        if kernel is not None:
-            cuda = CudaChainDrafter(head, embed, lm_head, kernel, prefill_step_size)
-    statuses.append(decide("cuda_chain_drafter", options.cuda_chain_drafter, True, why, "a chain in one launch"))
-    return EngineDrafters(mlx=mlx, mlx_eager=eager, cpp=cpp, cuda=cuda, statuses=statuses)
+        parts.kernel, why = build_chain_kernel(head, embed, lm_head_module) if on_gpu else (None, "not MLX's CUDA backend")
+    parts.statuses.append(decide("cuda_chain_drafter", options.cuda_chain_drafter, True, why,
+                                 "a greedy chain in one launch (a batch of one row)"))
+    return parts
 
 
-def select_drafter(drafters: EngineDrafters, mode: str, choice: str = "auto", sampling: SamplingParams = GREEDY) -> Drafter:
-    """The drafter for ``mode``: "auto" (see the module docstring), "mlx",
-    "mlx-eager", "cpp" or "cuda" (a ValueError where the engine has none
-    for that mode). Sampled drafts come from the MLX head (the native
-    drafters draft greedily)."""
-    choice = "cpp" if choice == "c++" else choice
+def pick(parts: DrafterParts, mode: str, choice: str = "auto", greedy: bool = True) -> str:
+    """The drafter ``choice`` means for ``mode`` and rows that are all
+    greedy (``greedy``) or not: "mlx", "mlx-eager", "cpp" or "cuda".
+
+    Raises:
+        ValueError: An unknown choice, or one that cannot draft this mode or
+            sampler here.
+    """
     if choice not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))}, got {choice!r}")
-    if not sampling.greedy and choice in ("cpp", "cuda"):
+    if not greedy and choice in ("cpp", "cuda"):
         raise ValueError(f"the {choice} drafter drafts greedily; sampling drafts with the MLX head (drafter='mlx')")
-    cpp_ok = drafters.cpp is not None and mode in drafters.cpp.modes and sampling.greedy
-    cuda_ok = drafters.cuda is not None and mode in drafters.cuda.modes and sampling.greedy
+    cpp_ok = parts.cpp is not None and mode in CppDrafter.modes and greedy
+    cuda_ok = parts.kernel is not None and mode == "chain" and greedy
     if choice == "auto":
-        if cpp_ok:
-            return drafters.cpp
-        return drafters.cuda if cuda_ok else drafters.mlx
-    if choice == "mlx":
-        return drafters.mlx
-    if choice == "mlx-eager":
-        return drafters.mlx_eager
-    if choice == "cpp":
-        if not cpp_ok:
-            raise ValueError(
-                f"no C++ drafter for mode {mode!r}: it drafts chain and adaptive modes on the CPU backend "
-                "(or with cpp_drafter_on_gpu) when _mtp_cpp_drafter is built and the head is one it runs"
-            )
-        return drafters.cpp
-    if not cuda_ok:
+        return "cpp" if cpp_ok else "cuda" if cuda_ok else "mlx" if parts.compiled is not None else "mlx-eager"
+    if choice == "cpp" and not cpp_ok:
+        raise ValueError(
+            f"no C++ drafter for mode {mode!r}: it drafts chain and adaptive modes on the CPU backend "
+            "(or with cpp_drafter_on_gpu) when _mtp_cpp_drafter is built and the head is one it runs"
+        )
+    if choice == "cuda" and not cuda_ok:
         raise ValueError(
             f"no cuda chain drafter for mode {mode!r}: it drafts chain mode on MLX's CUDA backend "
             "for one-layer MoE heads of unquantized weights (mtp_engine.kernels.cuda_chain)"
         )
-    return drafters.cuda
+    return "mlx-eager" if choice == "mlx" and parts.compiled is None else choice
+
+
+def make_drafter(parts: DrafterParts, kind: str):
+    """A fresh drafter of ``kind`` (`pick`), with no rows."""
+    if kind == "cpp":
+        return CppDrafter(parts.cpp)
+    if kind == "cuda":
+        from mtp_engine.drafters.cuda_chain import CudaChainDrafter  # CUDA only
+
+        return CudaChainDrafter(parts.head, parts.embed, parts.lm_head, parts.kernel, parts.prefill_step_size)
+    compiled = parts.compiled if kind == "mlx" else None
+    return HeadDrafter(parts.head, parts.embed, parts.lm_head, parts.prefill_step_size, compiled)

@@ -24,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mtp_engine.io.weights import MTP_FILE, MTP_LAYOUT_KEY, files_with_prefix
+from mtp_engine.weights import MTP_FILE, MTP_LAYOUT_KEY, files_with_prefix
 from mtp_engine.model.family import text_config
 from mtp_engine.model.loader import CheckpointError, load_mtp_head, read_config
 

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mtp_engine.io.weights import MTP_PREFIX, mlx_to_hub, save_sharded
+from mtp_engine.weights import MTP_PREFIX, mlx_to_hub, save_sharded
 from mtp_engine.model.family import is_qwen3_5, text_config
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

@@ -117,3 +117,27 @@ def calls() -> int:
         return 0
     _library.mtp_cpu_blas_calls.restype = ctypes.c_longlong
     return int(_library.mtp_cpu_blas_calls())
+
+
+def status(options):
+    """What the route ended up as for an engine's ``options`` (a
+    `FastPathStatus`), configuring it; a route lost by importing MLX first
+    is also a warning (CPU decoding then runs several times slower)."""
+    import warnings
+
+    import mlx.core as mx
+
+    from mtp_engine.options import FastPathStatus
+
+    if mx.default_device() != mx.cpu:
+        return FastPathStatus("cpu_blas", "unavailable", "not MLX's CPU backend")
+    why = unavailable_reason()
+    if why == IMPORTED_TOO_LATE and options.cpu_blas:
+        warnings.warn(f"cpu_blas fast path unavailable: {why} (CPU decoding runs several times slower)",
+                      RuntimeWarning, stacklevel=4)  # the caller of MTPEngine.load
+    if why is not None:
+        return FastPathStatus("cpu_blas", "off" if why.startswith("off by") else "unavailable", why)
+    if configure(options.cpu_blas, options.few_rows) == BUNDLED:
+        return FastPathStatus("cpu_blas", "off", "by choice: MLX's bundled BLAS (process-wide)")
+    rows = f"products of <= {options.few_rows} rows in the few-row kernel, " if options.few_rows else ""
+    return FastPathStatus("cpu_blas", "on", f"{rows}larger ones in OpenBLAS (process-wide)")

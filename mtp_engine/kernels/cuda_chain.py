@@ -45,11 +45,8 @@ from functools import cache
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from mtp_engine.drafters.head_weights import FLOATS, UnsupportedHead, head_weights
-from mtp_engine.model.mtp_head import MTPHead
-from mtp_engine.options import is_cuda_backend
+from mtp_engine.backend import is_cuda_backend
 
 SOURCES = Path(__file__).parent / "cuda"
 
@@ -114,40 +111,6 @@ def work_offsets(config: dict) -> dict[str, int]:
     return offsets
 
 
-def kernel_weights(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> tuple[list[mx.array], dict]:
-    """The kernel's weights (in `WEIGHT_ARGS` order) and configuration.
-
-    Raises:
-        UnsupportedHead: several MTP layers, quantized or mixed-dtype
-            weights, a dense MLP, a scaled or traditional RoPE, widths that
-            are not whole 16-byte loads, or a head too large for one block
-            (`MAX_STEP_BYTES`).
-    """
-    if len(head.layers) != 1:
-        raise UnsupportedHead(f"it has {len(head.layers)} MTP layers; the kernel runs one")
-    named, config = head_weights(head, embed, lm_head, FLOATS)
-    dtypes = {w.dtype for w in named.values()}
-    if len(dtypes) != 1:
-        raise UnsupportedHead(f"its weights mix dtypes ({', '.join(sorted(map(str, dtypes)))})")
-    dtype = dtypes.pop()
-    lanes = 16 // dtype.size
-    widths = (config["dim"], config["heads"] * config["head_dim"], config["expert_dim"], config["shared_dim"])
-    if any(w % lanes for w in widths):
-        raise UnsupportedHead(f"a width of {widths} is not a whole number of 16-byte loads")
-    if config["heads"] % config["kv_heads"] or config["rope_dims"] % 2 or config["top_k"] > config["experts"]:
-        raise UnsupportedHead("its head counts, rotary width or top-k do not fit the kernel")
-    dim = config["dim"]
-    step_bytes = dtype.size * (
-        config["vocab"] * dim + 2 * dim * dim
-        + dim * (2 * config["heads"] + 2 * config["kv_heads"]) * config["head_dim"]
-        + config["heads"] * config["head_dim"] * dim
-        + 3 * dim * (config["top_k"] * config["expert_dim"] + config["shared_dim"])
-    )
-    if step_bytes > MAX_STEP_BYTES:
-        raise UnsupportedHead(f"a draft step reads {step_bytes >> 20} MB, over the kernel's {MAX_STEP_BYTES >> 20} MB")
-    return [mx.contiguous(named[name]) for name in WEIGHT_ORDER], config
-
-
 def header() -> str:
     """The kernel's device helpers (``cuda/draft_chain.cuh``)."""
     return (SOURCES / "draft_chain.cuh").read_text()
@@ -173,7 +136,7 @@ class ChainKernel:
     """The chain kernel bound to one head's weights.
 
     Args:
-        weights, config: What `kernel_weights` returned. The weights' dtype
+        weights, config: What `mtp_engine.drafters.cuda_chain.kernel_weights` returned. The weights' dtype
             is also the KV cache's while the cache is empty.
     """
 

@@ -31,8 +31,8 @@ SOURCES = Path(__file__).parent / "cuda"
 
 ROWS = 4
 """Consecutive sorted selections a warp runs, reading each expert's weights
-among them once. More share fewer reads but hold more registers: on the
-H200 (80B-A3B shapes) 4 beat 2, 8 and 16 from 10 to 10,240 selections."""
+among them once. More share fewer reads but hold more registers (the
+measured choice: docs/BACKENDS.md, "Tuning constants")."""
 
 WARPS = 8
 """Warps per thread block."""
@@ -140,9 +140,8 @@ TILE_WARPS = 4
 
 TILE_FEATURES = {"gate_up": 16, "down": 32}
 """Output features a warp of the prefill kernel owns (16 or 32: one or two
-tensor-core products per token fragment it loads), per launch. On the H200
-(80B-A3B shapes, 1K-token prompts) gate and up were fastest at 16 (0.62
-against 0.75 ms), down at 32 (0.40 against 0.48)."""
+tensor-core products per token fragment it loads), per launch (the
+measured choice: docs/BACKENDS.md, "Tuning constants")."""
 
 TILE_INPUT_NAMES = ["x", "perm", "starts", "counts", "w0", "s0", "b0", "w1", "s1", "b1"]
 
@@ -186,9 +185,8 @@ def tiles_source() -> str:
 
 def tiles_per_pass(selections: int, experts: int) -> int:
     """Token tiles of 8 a warp runs per pass over its weights: enough for
-    an expert's average share of ``selections``, at most 4 (32 tokens; on
-    the H200 8 were slower at 2K-token chunks, 1.21 against 1.06 ms for gate
-    and up)."""
+    an expert's average share of ``selections``, at most 4 (32 tokens; 8
+    were slower: docs/BACKENDS.md, "Tuning constants")."""
     mean = -(-selections // experts)
     return next(t for t in (1, 2, 4) if 8 * t >= mean or t == 4)
 

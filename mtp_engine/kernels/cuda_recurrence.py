@@ -30,7 +30,7 @@ import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g
 
 from mtp_engine.cache.capture import StackedStates
-from mtp_engine.options import is_cuda_backend
+from mtp_engine.backend import is_cuda_backend
 
 SOURCES = Path(__file__).parent / "cuda"
 

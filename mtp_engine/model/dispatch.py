@@ -9,13 +9,10 @@ the same arrays as without it: only when they are computed changes.
 
 Only verify forwards dispatch (2 to `MAX_VERIFY_WIDTH` tokens a row), and
 on CUDA only those of `CUDA_DISPATCH_MIN_TOKENS` tokens or more (rows x
-width). On the H200 (80B-A3B shapes, 8 rows) dispatching made verify steps
-of 4 tokens a row faster (66 against 87 ms) but one-token decoding steps
-slower (48-52 against 38-43 ms), and one sequence's verify steps too (38
-against 30 ms a step at K=3): each of the 48 submissions costs host time
-and the device has little work to hide it behind. In prompt prefill, where the device
-is the slower side, the host queued many layers ahead and their buffers
-raised peak memory by about 6 GB for no time gained.
+width): there one-token decoding steps and one sequence's verify forwards
+give the device too little work to hide each layer's submission behind, and
+in prompt prefill the host would queue many layers ahead and raise peak
+memory for no time gained (figures: docs/BACKENDS.md).
 
 ``mx.async_eval`` is not allowed inside a function transformation
 (``mx.grad``, ``mx.compile``: head training runs the trunk under both);
@@ -26,9 +23,18 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import qwen3_5
+from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
 
+from mtp_engine.model.compiled import CompiledDecoderLayer
 from mtp_engine.model.swap import share_weights
 from mtp_engine.options import MAX_VERIFY_WIDTH
+
+CUDA_DISPATCH_MIN_TOKENS = 16
+"""Tokens (rows x width) from which a verify forward's layers dispatch on
+CUDA (`EngineOptions.layer_dispatch`): below it there is too little device
+work to hide the extra submissions; on the CPU every verify forward
+dispatches (figures: docs/BACKENDS.md)."""
 
 
 class DispatchedLayer:
@@ -37,7 +43,8 @@ class DispatchedLayer:
     is evaluated asynchronously as soon as the layer's ops are built."""
 
     min_tokens: int = 2
-    """The fewest tokens (rows x width) of a forward whose output dispatches."""
+    """The fewest tokens (rows x width) of a forward whose output dispatches
+    (set per instance by `install_layer_dispatch`)."""
 
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
         out = super().__call__(x, *args, **kwargs)
@@ -51,32 +58,46 @@ class DispatchedLayer:
         return out
 
 
-_CLASSES: dict[tuple[type, int], type] = {}
+class DispatchedNextLayer(DispatchedLayer, Qwen3NextDecoderLayer):
+    """mlx-lm's Qwen3-Next decoder layer, dispatched."""
 
 
-def dispatched_class(cls: type, min_tokens: int = 2) -> type:
-    """The dispatching subclass of decoder layer class ``cls`` for forwards
-    of ``min_tokens`` or more tokens (one per class and threshold)."""
-    if issubclass(cls, DispatchedLayer):
-        return cls
-    key = (cls, min_tokens)
-    if key not in _CLASSES:
-        _CLASSES[key] = type(f"Dispatched{cls.__name__}", (DispatchedLayer, cls), {"min_tokens": min_tokens})
-    return _CLASSES[key]
+class DispatchedQwen35Layer(DispatchedLayer, qwen3_5.DecoderLayer):
+    """mlx-lm's Qwen3.5 decoder layer, dispatched."""
+
+
+class DispatchedCompiledLayer(DispatchedLayer, CompiledDecoderLayer):
+    """The engine's compiled decoder layer, dispatched."""
+
+
+DISPATCHED: dict[type, type] = {
+    Qwen3NextDecoderLayer: DispatchedNextLayer,
+    qwen3_5.DecoderLayer: DispatchedQwen35Layer,
+    CompiledDecoderLayer: DispatchedCompiledLayer,
+}
+"""Each trunk layer class the engine loads, and its dispatching subclass."""
+
+
+def dispatched(layer: nn.Module, min_tokens: int = 2) -> DispatchedLayer:
+    """``layer`` as its dispatching subclass (sharing its weights) for
+    forwards of ``min_tokens`` or more tokens."""
+    new = share_weights(DISPATCHED[type(layer)], layer)
+    new.min_tokens = min_tokens
+    return new
 
 
 def install_layer_dispatch(model: nn.Module, min_tokens: int = 2) -> int:
     """Swap every trunk decoder layer of ``model`` for its dispatching
     subclass, sharing its weights; verify forwards of ``min_tokens`` or
     more tokens (rows x width) dispatch. Run it after the other layer
-    installs (it subclasses whatever class each layer has by then). Returns
-    how many layers were swapped (0 when installed before)."""
+    installs (it subclasses the class each layer has by then). Returns how
+    many layers were swapped (0 when installed before)."""
     if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 2:
         raise ValueError(f"min_tokens must be an int of at least 2, got {min_tokens!r}")
     layers = model.model.layers
     swapped = 0
     for i, layer in enumerate(layers):
         if not isinstance(layer, DispatchedLayer):
-            layers[i] = share_weights(dispatched_class(type(layer), min_tokens), layer)
+            layers[i] = dispatched(layer, min_tokens)
             swapped += 1
     return swapped

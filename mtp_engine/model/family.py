@@ -23,9 +23,8 @@ import importlib
 import mlx.nn as nn
 from mlx_lm.models import qwen3_5, qwen3_5_moe
 
-from mtp_engine.io.weights import stack_experts
+from mtp_engine.weights import stack_experts
 
-QWEN3_NEXT = "qwen3_next"
 # model_type -> the mlx-lm module that runs it.
 MODULES = {
     "qwen3_next": "qwen3_next",

@@ -2,8 +2,9 @@
 
 Each install swaps layers of one model instance for subclasses that share
 their weights (nothing is patched at import). Every entry is a fast path of
-`mtp_engine.options.EngineOptions` except state capture, which speculation
-needs; all of them give the tokens mlx-lm's layers give (docs/BACKENDS.md).
+`mtp_engine.options.EngineOptions` except state capture (per-token recurrent
+states, so a verify's commit is a lookup), which speculation needs; all of
+them give the tokens mlx-lm's layers give (docs/BACKENDS.md).
 Run it after the last change to the weights (cast, quantization): compiled
 layers and the CPU recurrence's choice read them as they are.
 """
@@ -16,9 +17,11 @@ import mlx.nn as nn
 from mtp_engine.kernels import cpu_activations, recurrence
 from mtp_engine.model.activations import install_fast_activations
 from mtp_engine.model.compiled import install_compiled_layers
-from mtp_engine.model.dispatch import install_layer_dispatch
+from mtp_engine.model.dispatch import CUDA_DISPATCH_MIN_TOKENS, install_layer_dispatch
 from mtp_engine.model.gated_delta import gated_delta_layers, install_state_capture
 from mtp_engine.model.moe import (
+    GPU_MOE_GROUP_MIN,
+    GPU_MOE_SORT_MIN,
     GROUP_ROWS,
     MLX_LM_SORT_MIN,
     EngineSparseMoeBlock,
@@ -27,15 +30,8 @@ from mtp_engine.model.moe import (
 from mtp_engine.model.quantized import install_flat_quantized
 from mtp_engine.model.rope import install_batch_rope
 from mtp_engine.model.rowwise import install_rowwise_linears
-from mtp_engine.options import (
-    CUDA_DISPATCH_MIN_TOKENS,
-    GPU_MOE_GROUP_MIN,
-    GPU_MOE_SORT_MIN,
-    MAX_VERIFY_WIDTH,
-    EngineOptions,
-    FastPathStatus,
-    is_cuda_backend,
-)
+from mtp_engine.options import MAX_VERIFY_WIDTH, EngineOptions, FastPathStatus
+from mtp_engine.backend import is_cuda_backend
 
 
 def decide(name: str, wanted: bool | None, default: bool, why_not: str | None, on: str) -> FastPathStatus:
@@ -124,11 +120,6 @@ def install_engine_layers(model: nn.Module, head: nn.Module, options: EngineOpti
     statuses.append(decide("cpu_recurrence", options.cpu_recurrence, True,
                            None if path == recurrence.CPU_PRIMITIVE else why if on_cpu else "not MLX's CPU backend",
                            "one primitive per layer and forward"))
-    capture = ("per-token states, commit is a lookup" + (
-        "; a batch's commit reruns the recurrence kernel to each row's token" if path == recurrence.CUDA_KERNEL else "")
-        if layers else "nothing to capture (no gated-delta layers)")
-    statuses.append(decide("state_capture", options.state_capture, True, None, capture))
-
     sort_min = options.moe_sort_min or (MLX_LM_SORT_MIN if on_cpu else GPU_MOE_SORT_MIN)
     statuses.append(decide("contiguous_moe", options.contiguous_moe, True, None,
                            f"routing indices copied once; tokens sorted by expert from {sort_min} selections"))

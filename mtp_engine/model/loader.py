@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 from mlx_lm.utils import infer_quant_config, load_model, load_tokenizer
 
-from mtp_engine.io.weights import MTP_LAYOUT_KEY, MTP_PREFIX, hub_to_mlx, load_prefixed
+from mtp_engine.weights import MTP_LAYOUT_KEY, MTP_PREFIX, hub_to_mlx, load_prefixed
 from mtp_engine.model.family import (
     SUPPORTED_MODEL_TYPES,
     load_overrides,

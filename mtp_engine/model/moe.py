@@ -51,6 +51,15 @@ from mtp_engine.options import MAX_VERIFY_WIDTH
 MLX_LM_SORT_MIN = 64
 """mlx-lm's threshold: sort once this many (token, expert) selections are routed."""
 
+GPU_MOE_SORT_MIN = 1024
+"""Routed selections from which a GPU's MoE blocks sort their tokens by
+expert: prefill chunks do, verify forwards and decoding batches do not."""
+
+GPU_MOE_GROUP_MIN = 1024
+"""Routed selections from which `EngineOptions.grouped_moe` runs each
+expert's tokens in blocks: prompt prefill chunks do, decoding batches (where
+MLX's own products are faster) do not (docs/BACKENDS.md)."""
+
 
 def switch_glu(switch: SwitchGLU, x: mx.array, indices: mx.array, sort_min: int,
                group_min: int | None = None) -> mx.array:

@@ -4,10 +4,7 @@ MLX's CUDA backend runs ``quantized_matmul`` over ``[B, L, dim]`` inputs
 with ``B > 1`` as ``B`` separate products: a batched decoding step
 (``[B, 1, dim]``) or a batched verify (``[B, K+1, dim]``) reads every weight
 once per row. Viewed as one ``[B*L, dim]`` matrix the same product reads the
-weights once, with the same bits (measured on the H200 with MLX 0.32.4: a
-5120 x 17408 4-bit product over 8 rows took 0.47 ms as ``[8, 1, dim]`` and
-0.14 ms as ``[8, dim]``; 1.29 ms against 0.19 ms over 32 rows;
-docs/BENCHMARKS.md).
+weights once, with the same bits (figures: docs/BACKENDS.md).
 
 `FlatQuantizedLinear` flattens the leading axes before the product and
 restores them after. `EngineOptions.flat_quantized` defaults to CUDA only.
@@ -34,9 +31,8 @@ from mtp_engine.options import MAX_VERIFY_WIDTH
 
 DENSE_MIN_WEIGHTS = 1 << 22
 """Fewest weights (inputs x outputs) of a product that `prefill_dequantized`
-makes dense. On the H200 over 1K rows (MLX 0.32.4, bfloat16, 4-bit):
-2048 x 12288 0.47 -> 0.24 ms, 4096 x 2048 0.21 -> 0.12, 2048 x 1024 0.094
--> 0.097, 2048 x 512 0.077 -> 0.091 (docs/BENCHMARKS.md)."""
+makes dense: smaller ones are faster as MLX's 4-bit product (figures:
+docs/BACKENDS.md, "Tuning constants")."""
 
 
 class FlatQuantizedLinear(nn.QuantizedLinear):

@@ -34,7 +34,10 @@ from mtp_engine.kernels import cpu_blas
 from mtp_engine.model.compiled import CompiledDecoderLayer
 from mtp_engine.model.gated_delta import recurrence_path
 from mtp_engine.model.rowwise import RowwiseLinear
-from mtp_engine.options import EngineOptions, mlx_settings
+from mtp_engine.modes import DecodeConfig
+from mtp_engine.options import EngineOptions
+from mtp_engine.backend import mlx_settings
+from mtp_engine.sampling import GREEDY
 from mtp_engine.tools.dataset_bench import (
     dataset_suite,
     print_dataset_table,
@@ -258,68 +261,38 @@ def forward_costs(engine: MTPEngine, context: list[int], widths: list[int], repe
     n = min(64, len(context))
     hidden = model.model(mx.array(context[-n:])[None], cache=make_main_cache(model))
     pairs = context[len(context) - n + 1 :] + [7]
-    h1 = hidden[:, -1:]
-    drafter = engine.drafter_for("chain")
-    kind = drafter.name
+    h1 = mx.contiguous(hidden[:, -1:])
+    mx.eval(h1)
+    kind = engine.pick_drafter("chain")
     out = {"verify_s": out, "drafter": kind}
-    if drafter is engine.drafters.cpp:  # one pair in, one draft out, is one step
-        state = drafter.new_state()
-        drafter.set_pending(state, hidden, pairs)
-        drafter.draft(state, 1)
-        h1 = mx.contiguous(h1)
-        mx.eval(h1)
-
-        def native_step():
-            state.session.draft(h1, [7], 1)
-            state.session.rewind(state.base)
-
-        native_step()
-        out["mtp_step_s"] = _median_seconds(native_step, repeats)
-    else:
-        out["mtp_step_s"] = _median_seconds(mlx_draft_step(engine.drafters.mlx, hidden, pairs, h1), repeats)
-    if engine.drafters.mlx_eager is not engine.drafters.mlx and drafter is not engine.drafters.cpp:
-        out["mtp_step_eager_s"] = _median_seconds(mlx_draft_step(engine.drafters.mlx_eager, hidden, pairs, h1), repeats)
-    if drafter is engine.drafters.cuda:
+    step_kind = "cpp" if kind == "cpp" else engine.pick_drafter("chain", "mlx")  # one pair in, one draft out
+    out["mtp_step_s"] = _median_seconds(draft_probe(engine, step_kind, hidden, pairs, h1, 1), repeats)
+    if step_kind == "mlx":
+        out["mtp_step_eager_s"] = _median_seconds(draft_probe(engine, "mlx-eager", hidden, pairs, h1, 1), repeats)
+    if kind == "cuda":
         out["kernel_chain_s"] = {
-            k: _median_seconds(chain_draft(drafter, hidden, pairs, h1, k), repeats) for k in range(1, max(widths))
+            k: _median_seconds(draft_probe(engine, "cuda", hidden, pairs, h1, k), repeats) for k in range(1, max(widths))
         }
     return out
 
 
-def chain_draft(drafter, hidden: mx.array, pairs: list[int], h1: mx.array, k: int):
-    """A callable that drafts a chain of ``k`` from one pending pair (tokens
-    read back, the head's cache rewound) with an `MLXDrafter` (the MLX head,
-    or the CUDA chain kernel's `CudaChainDrafter`), after the head consumed
-    ``pairs``; it is called once here, as a warm-up."""
-    state = drafter.new_state()
-    drafter.set_pending(state, hidden, pairs)
-    drafter.draft(state, 1).tolist()
-    base = state.base
+def draft_probe(engine: MTPEngine, kind: str, hidden: mx.array, pairs: list[int], h1: mx.array, k: int):
+    """A callable that drafts a chain of ``k`` from one pending pair
+    ``(h1, 7)`` with a fresh drafter of ``kind`` (tokens read back; the
+    head's cache rewound by the next call's commit), after the head consumed
+    ``pairs`` (their hiddens ``hidden``); it is called once here, as a
+    warm-up."""
+    drafter = engine.make_drafter(kind)
+    drafter.add_row(None, hidden, pairs)
+    decode = DecodeConfig(draft_tokens=k)
+    drafter.propose(decode, 1, [GREEDY], [0], [1]).tokens.tolist()
 
     def chain():
-        drafter.rewind(state, base)
-        drafter.set_pending(state, h1, [7])
-        drafter.draft(state, k).tolist()
+        drafter.commit(h1, [[7]], [0])
+        drafter.propose(decode, k, [GREEDY], [0], [k]).tokens.tolist()
 
     chain()
     return chain
-
-
-def mlx_draft_step(drafter, hidden: mx.array, pairs: list[int], h1: mx.array):
-    """A callable that runs one MLX draft step (a pair in, its greedy token
-    read back, the head's cache rewound), after the head consumed ``pairs``
-    (their hiddens ``hidden``); it is called once here, as a warm-up."""
-    state = drafter.new_state()
-    drafter.set_pending(state, hidden, pairs)
-    drafter.first_step(state)
-
-    def step():
-        logits, _ = drafter.step(state, h1, 7)
-        int(mx.argmax(logits))
-        drafter.rewind(state, state.base)
-
-    step()
-    return step
 
 
 def prefilled_caches(engine: MTPEngine, context: list[int], chunk: int = 2048) -> list:
@@ -551,9 +524,6 @@ def main(argv=None) -> int:
                         "are compared with the reference")
     parser.add_argument("--single-limit", type=int, default=None,
                         help="dataset suite: time one-at-a-time decoding on the first N prompts only (slow models)")
-    parser.add_argument("--prefill-ahead", type=int, nargs="+", default=[0], metavar="N",
-                        help="dataset suite: batched runs prefill the next N queued prompts on a second stream while "
-                        "the batch decodes; several values run side by side (default 0: in turn)")
     parser.add_argument("--phase-times", action="store_true",
                         help="dataset suite: time each phase of batched runs (prefill, head prefill, join, draft, "
                         "verify, head commit, leave), synchronizing after each (slower: for finding where time goes)")
@@ -573,10 +543,6 @@ def main(argv=None) -> int:
         parser.error(f"--widths must be positive, got {' '.join(map(str, args.widths))}")
     if any(r < 1 for r in args.block_rows):
         parser.error(f"--block-rows must be positive, got {' '.join(map(str, args.block_rows))}")
-    if any(n < 0 for n in args.prefill_ahead):
-        parser.error(f"--prefill-ahead must be 0 or more, got {' '.join(map(str, args.prefill_ahead))}")
-    if args.phase_times and any(args.prefill_ahead):
-        parser.error("--phase-times and --prefill-ahead do not combine (timed phases run in turn)")
     log = lambda m: print(m, flush=True)
 
     if args.synthetic:

@@ -15,7 +15,7 @@ efficiency (measured / predicted speedup over plain batching).
 
 With ``--acceptance-profile 0.93,0.82,0.64`` (random-weight models, whose
 drafts are never right) the head still runs every step but its tokens are
-replaced by the true continuation at that profile (`mtp_engine.projection`):
+replaced by the true continuation at that profile (`mtp_engine.tools.projection`):
 those figures are labelled "projected at profile ...".
 """
 
@@ -27,12 +27,15 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
-from mtp_engine.batched import BatchedDecoder
 from mtp_engine.cache.batch import append_row, commit_rows, make_batch_cache
 from mtp_engine.cache.capture import StateCaptureCache, make_main_cache
-from mtp_engine.projection import ProjectedDrafts, parse_profile
+from mtp_engine.decoder import Decoder
+from mtp_engine.modes import DecodeConfig
+from mtp_engine.sampling import GREEDY
 from mtp_engine.stopping import Finisher
 from mtp_engine.tools.loops import find_loop
+from mtp_engine.tools.phases import PhaseTimer
+from mtp_engine.tools.projection import ProjectedDrafts, ProjectingDrafter, parse_profile
 
 
 @dataclass
@@ -53,7 +56,6 @@ class Run:
     outputs: list = field(default_factory=list)  # the first round's
     later_outputs: list = field(default_factory=list)  # rounds after the first, in order
     phase_seconds: dict | None = None
-    prefill_ahead: int = 0  # batched runs: queued prompts prefilled on a second stream
 
     def row(self, plain: "Run | None", profile: str | None) -> dict:
         decode_s = max(self.seconds - self.prefill_seconds, 1e-9)
@@ -73,8 +75,6 @@ class Run:
         }
         if profile and self.draft_tokens:
             out["projected_at_profile"] = profile
-        if self.prefill_ahead:
-            out["prefill_ahead"] = self.prefill_ahead
         if self.phase_seconds is not None:
             out["phase_seconds"] = {k: round(v, 3) for k, v in self.phase_seconds.items()}
         if plain is not None:
@@ -121,30 +121,43 @@ def _projections(engine, n: int, references, profile, first_seed: int = 0) -> li
     return [ProjectedDrafts(profile, ref, vocab, seed=first_seed + i) for i, ref in enumerate(references)]
 
 
-def run_batched(engine, prompts, max_tokens: int | list[int], batch_size, k, references=None, profile=None,
-                phases: bool = False, prefill_ahead: int = 0, first_seed: int = 0) -> Run:
-    """The prompt set through `BatchedDecoder` (k = 0: plain batching);
-    ``max_tokens`` for every prompt or one per prompt; ``phases``: time
-    each phase of the decoder (`mtp_engine.batched.PHASES`), synchronizing
-    after each; ``prefill_ahead``: the decoder's; with a profile, prompt
-    ``i`` draws its acceptances with seed ``first_seed + i``."""
-    run = Run("batched chain" if k else "plain batching", batch_size, k, phase_seconds={} if phases else None,
-              prefill_ahead=prefill_ahead)
-    decoder = BatchedDecoder(engine, batch_size, "chain" if k else "baseline", k or 3,
-                             phase_seconds=run.phase_seconds, prefill_ahead=prefill_ahead)
-    projections = _projections(engine, len(prompts), references if k else None, profile, first_seed)
+def decode_prompts(engine, prompts, max_tokens: int | list[int], batch_size: int, k: int, projections=None,
+                   hooks=None) -> tuple[list, int]:
+    """The prompts through one `Decoder` (k = 0: plain decoding), drafts
+    projected where ``projections`` (one per prompt, or None) say; returns
+    the results in order and the decoder's steps."""
+    decode = DecodeConfig(mode="chain" if k else "baseline", draft_tokens=k or 1, batch_size=batch_size)
+    drafter = None
+    if k and projections is not None and any(p is not None for p in projections):
+        inner = engine.make_drafter(engine.pick_drafter("chain"))
+        drafter = ProjectingDrafter(inner, {(i, 0): p for i, p in enumerate(projections) if p is not None})
+    decoder = Decoder(engine, decode, hooks=hooks, drafter=drafter)
     for i, ids in enumerate(prompts):
-        budget = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
-        decoder.add(i, ids, max_tokens=budget, projection=projections[i])
-    results = {}
-    mx.reset_peak_memory()
-    t = time.perf_counter()
+        decoder.add(i, ids, [GREEDY], max_tokens=max_tokens[i] if isinstance(max_tokens, list) else max_tokens)
+    results, steps = {}, 0
     while decoder.pending:
         results.update(decoder.step())
-        run.batch_steps += 1
+        steps += 1
+    return [results[(i, 0)] for i in range(len(prompts))], steps
+
+
+def run_batched(engine, prompts, max_tokens: int | list[int], batch_size, k, references=None, profile=None,
+                phases: bool = False, first_seed: int = 0) -> Run:
+    """The prompt set through the `Decoder` (k = 0: plain batching);
+    ``max_tokens`` for every prompt or one per prompt; ``phases``: time
+    each phase of the decoder (`mtp_engine.tools.phases.PHASES`),
+    synchronizing after each; with a profile, prompt ``i`` draws its
+    acceptances with seed ``first_seed + i``."""
+    timer = PhaseTimer() if phases else None
+    run = Run("batched chain" if k else "plain batching", batch_size, k,
+              phase_seconds=timer.seconds if timer else None)
+    projections = _projections(engine, len(prompts), references if k else None, profile, first_seed)
+    mx.reset_peak_memory()
+    t = time.perf_counter()
+    results, run.batch_steps = decode_prompts(engine, prompts, max_tokens, batch_size, k, projections, timer)
     run.seconds = time.perf_counter() - t
     run.peak_memory = mx.get_peak_memory()
-    _collect(run, [results[i] for i in range(len(prompts))])
+    _collect(run, results)
     return run
 
 
@@ -192,9 +205,8 @@ def run_singles_interleaved(engine, prompts, max_tokens, ks: list[int], referenc
 
 
 def _decode(engine, ids, max_tokens, k, projection):
-    """One prompt through `MTPEngine.generate`: plain (k = 0) or a chain of K = k."""
-    return engine.generate(ids, max_tokens=max_tokens, mode="chain" if k else "baseline", draft_tokens=k or 1,
-                           projection=projection)
+    """One prompt alone: plain (k = 0) or a chain of K = k."""
+    return decode_prompts(engine, [ids], max_tokens, 1, k, [projection])[0][0]
 
 
 def _collect(run: Run, results) -> None:
@@ -286,7 +298,7 @@ def _one_leaving_a_step(rows: int, k: int) -> list[int]:
     return [1 + (i + 1) * (k + 1) for i in range(rows)]
 
 
-def warm_up(engine, prompts, batch_sizes, draft_tokens, single_k, profile=None, prefill_ahead: int = 0) -> None:
+def warm_up(engine, prompts, batch_sizes, draft_tokens, single_k, profile=None) -> None:
     """Every path of the timed runs once, untimed: kernels, traces, CUDA
     graphs, the allocator. The prompts as timed, not shortened: kernels may
     be chosen by context length.
@@ -316,8 +328,6 @@ def warm_up(engine, prompts, batch_sizes, draft_tokens, single_k, profile=None, 
         for k in draft_tokens:
             run_batched(engine, rows, _one_leaving_a_step(b, k), b, k, plain.outputs, ALL_ACCEPTED)
             run_batched(engine, rows, [2 + i for i in range(b)], b, k, plain.outputs if profile else None, profile)
-        if prefill_ahead:  # a queue, so rows join from the second stream
-            run_batched(engine, rows + rows[:2], [2 + i for i in range(b + 2)], b, 0, prefill_ahead=prefill_ahead)
     few = prompts[:1]
     plain = run_single(engine, few, 16, 0)
     for k in single_k:
@@ -329,10 +339,9 @@ def dataset_suite(engine, prompts, args, log) -> dict:
     profile = args.acceptance_profile
     log(f"dataset: {len(prompts)} prompts x {args.max_tokens} tokens"
         + (f", drafts projected at profile {profile}" if profile else ""))
-    aheads = getattr(args, "prefill_ahead", None) or [0]
-    phases = getattr(args, "phase_times", False)  # with prefills ahead: refused by the CLI
+    phases = getattr(args, "phase_times", False)
     parsed = parse_profile(profile) if profile else None
-    warm_up(engine, prompts, args.batch_sizes, args.draft_tokens, args.single_k, parsed, max(aheads))
+    warm_up(engine, prompts, args.batch_sizes, args.draft_tokens, args.single_k, parsed)
 
     limit = getattr(args, "single_limit", None)
     if limit and getattr(args, "loop_free", False):
@@ -384,24 +393,24 @@ def dataset_suite(engine, prompts, args, log) -> dict:
     for b in args.batch_sizes:
         if args.mlx_lm_batch:
             runs.append(run_mlx_lm(engine, prompts, args.max_tokens, b))
-        # side by side: the same rows with and without prefills ahead; with
-        # rounds, each round starts one mode later, and draws acceptances of
-        # its own, so a drifting host speed falls on every mode alike
-        modes = [(k, ahead) for k in [0, *args.draft_tokens] for ahead in aheads]
+        # side by side; with rounds, each round starts one mode later, and
+        # draws acceptances of its own, so a drifting host speed falls on
+        # every mode alike
+        modes = [0, *args.draft_tokens]
         timed = {}
         for rnd in range(batch_rounds):
-            for k, ahead in rotated(modes, rnd):
-                if rnd == 0 and first_batch is not None and b == args.batch_sizes[0] and k == 0 and ahead == 0:
+            for k in rotated(modes, rnd):
+                if rnd == 0 and first_batch is not None and b == args.batch_sizes[0] and k == 0:
                     run = first_batch
                 else:
-                    run = run_batched(engine, prompts, args.max_tokens, b, k, references, parsed, phases, ahead,
+                    run = run_batched(engine, prompts, args.max_tokens, b, k, references, parsed, phases,
                                       rnd * len(prompts))
-                log(f"  B={b} {'K=' + str(k) if k else 'plain'}{f', prefill ahead {ahead}' if ahead else ''}"
+                log(f"  B={b} {'K=' + str(k) if k else 'plain'}"
                     f"{f', round {rnd + 1}' if batch_rounds > 1 else ''}: {_progress(run)}")
-                if (k, ahead) in timed:
-                    _absorb(timed[k, ahead], run)
+                if k in timed:
+                    _absorb(timed[k], run)
                 else:
-                    timed[k, ahead] = run
+                    timed[k] = run
         runs += [timed[mode] for mode in modes]
         costs[b] = step_costs(engine, prompts, b, args.draft_tokens)
     for r in runs:
@@ -426,7 +435,6 @@ def batched_cost_model(costs: dict, rows: list[dict]) -> list[dict]:
     the speedup over plain batching they predict at the measured acceptance,
     the measured decode speedup, and their ratio (engine efficiency)."""
     out = []
-    rows = [r for r in rows if not r.get("prefill_ahead")]  # prefills ahead change no step's cost
     plain = {r["batch_size"]: r for r in rows if r["mode"] == "plain batching"}
     for r in rows:
         if r["mode"] != "batched chain" or r["batch_size"] not in costs:
@@ -444,7 +452,7 @@ def print_dataset_table(report: dict, log) -> None:
     log(f"{'mode':<24}{'B':>4}{'K':>3}{'tok/s':>9}{'decode':>9}{'x plain':>9}{'accept':>8}{'ident':>8}{'peakGB':>8}")
     for r in report["dataset_runs"]:
         al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
-        mode = r["mode"] + (f" +{r['prefill_ahead']} ahead" if r.get("prefill_ahead") else "")
+        mode = r["mode"]
         log(f"{mode:<24}{r['batch_size']:>4}{r['draft_tokens']:>3}{r['tokens_per_s']:>9.1f}"
             f"{r['decode_tokens_per_s']:>9.1f}{r.get('speedup_over_plain_one_at_a_time', 0):>9.2f}{al:>8}"
             f"{r['identical']:>8}{r['peak_memory_gb']:>8.2f}")

@@ -36,8 +36,8 @@ import time
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from mtp_engine.cache.batch import append_row, commit_rows, make_batch_cache
 from mtp_engine.cache.capture import StateCaptureCache, make_main_cache
-from mtp_engine.cache.ops import commit_verified_prefix
 from mtp_engine.model.dispatch import DispatchedLayer
 from mtp_engine.sampling import GREEDY, choose
 from mtp_engine.verify import decisions
@@ -85,11 +85,13 @@ def host_cost_suite(engine, prompt: list[int], widths: list[int], repeats: int =
         raise ValueError(f"widths must be positive ints, got {widths!r}")
     if repeats < 2:
         raise ValueError(f"repeats must be at least 2 (the first is a warm-up), got {repeats}")
-    caches = make_main_cache(engine.model)
-    engine.prefill(prompt, caches, keep_hidden=False)
+    prefilled = make_main_cache(engine.model)
+    engine.prefill(prompt, prefilled, keep_hidden=False)
+    caches = make_batch_cache(engine.model)  # a batch of one row, as the decoder runs it
+    append_row(caches, prefilled, 0)
     rows = []
     for width in widths:
-        commit = (lambda width=width: commit_verified_prefix(caches, width, 1)) if width > 1 else None
+        commit = (lambda width=width: commit_rows(caches, width, [1])) if width > 1 else None
         rows.append({"width": width, **_split(lambda width=width: _forward(engine, caches, width),
                                               lambda: _states(caches), repeats, commit)})
     layers = engine.model.model.layers

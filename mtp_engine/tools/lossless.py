@@ -62,7 +62,7 @@ from mtp_engine.tools.bench import (
     load_engine,
     read_prompts,
 )
-from mtp_engine.verify import top_logits
+from mtp_engine.decoder import top_logits
 
 FLOAT32_NEAR_TIE = 1e-4
 # Noise above this many near-tie bounds is not arithmetic: a wrong cache

@@ -89,7 +89,7 @@ def test_job_that_cannot_run_exits_nonzero_with_the_reason(tmp_path, capsys):
     assert "nomodel" in capsys.readouterr().err
     code = main(["generate", "--dataset", str(dataset), "--model", "m", "--output", "o", "--draft-tokens", "0"])
     assert code == 2
-    assert "draft_tokens must be a positive integer, got 0" in capsys.readouterr().err
+    assert "draft_tokens must be an int in 1..16, got 0" in capsys.readouterr().err
 
 
 def test_status_of_a_non_job_folder(tmp_path, capsys):

@@ -93,16 +93,6 @@ def test_string_prompt_equals_token_ids(tiny_engine):
     assert a.tokens == b.tokens and a.prompt_tokens == b.prompt_tokens
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree", "paths"])
-def test_replay_fallback_equals_checkpoint_commit(tiny_path, tiny_engine, mode):
-    replaying = MTPEngine.load(tiny_path, use_checkpoints=False)
-    for prompt in PROMPTS[:3]:
-        a = tiny_engine.generate(prompt, max_tokens=32, mode=mode)
-        b = replaying.generate(prompt, max_tokens=32, mode=mode)
-        assert a.tokens == b.tokens
-        assert a.stats.histogram == b.stats.histogram
-
-
 def test_one_token_prompt_and_one_token_budget(tiny_engine):
     result = tiny_engine.generate([5], max_tokens=1, mode="chain")
     assert len(result.tokens) == 1 and result.stats.steps == 0

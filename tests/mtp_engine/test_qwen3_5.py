@@ -24,9 +24,10 @@ from mlx.utils import tree_flatten
 
 from jobs.cli import main as jobs_main
 from mtp_engine import CheckpointError, MissingMTPHeadError, MTPEngine
-from mtp_engine.batched import BatchedDecoder
+from mtp_engine.decoder import Decoder
+from mtp_engine.modes import DecodeConfig
 from mtp_engine.io.tiny import make_tiny_checkpoint, tiny_qwen35_config
-from mtp_engine.io.weights import read_safetensors_header, weight_files
+from mtp_engine.weights import read_safetensors_header, weight_files
 from mtp_engine.model.gated_delta import CapturingQwen35GatedDeltaNet
 from mtp_engine.sampling import SamplingParams
 from tests.conftest import PROMPTS
@@ -143,12 +144,12 @@ def test_exact_sampler_equals_plain_sampling_of_mlx_lm(name, loaded):
             result = engine.generate(ids, mode=mode, max_tokens=40, seed=500 + i, **setting, **kw)
             assert_same_or_near_tie(f"{name} {mode} prompt {i}", result.tokens, reference, params)
         rows.append((i, ids, params, reference))
-    decoder = BatchedDecoder(engine, 3, "chain", 2)
+    decoder = Decoder(engine, DecodeConfig(draft_tokens=2, batch_size=3))
     for i, ids, params, _ in rows:
-        decoder.add(i, ids, max_tokens=40, sampling=params)
+        decoder.add(i, ids, [params], max_tokens=40)
     results = {}
     while decoder.pending:
-        results.update(decoder.step())
+        results.update({key: r for (key, _), r in decoder.step()})
     for i, _, params, reference in rows:
         assert_same_or_near_tie(f"{name} batched row {i}", results[i].tokens, reference, params)
 
@@ -162,7 +163,6 @@ def test_engine_layers_cover_qwen35_gated_delta(loaded):
         states = {s.name: s.state for s in engine.fast_paths}
         if mx.default_device() == mx.cpu:
             assert states["cpu_recurrence"] == states["compile_layers"] == "on"
-        assert states["state_capture"] == "on"
     # The C++ drafter runs MoE heads; a dense head says why it cannot.
     cpp = {e: next(s for s in e.fast_paths if s.name == "cpp_drafter") for e in (dense, moe)}
     if mx.default_device() == mx.cpu:

@@ -28,7 +28,8 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mtp_engine import MTPEngine
-from mtp_engine.batched import BatchedDecoder
+from mtp_engine.decoder import Decoder
+from mtp_engine.modes import DecodeConfig
 from mtp_engine.io.tiny import tiny_config
 from mtp_engine.sampling import (
     SamplingParams,
@@ -205,12 +206,13 @@ def test_exact_sampler_batched_equals_plain_sampling_whatever_the_batch(held_out
         setting = {} if i == 3 else SETTINGS[i % 2]
         params = SamplingParams(seed=77 + 13 * i, **setting)
         rows.append((i, engine.encode(prompt), params, 12 + 5 * i))
-    decoder = BatchedDecoder(engine, batch_size, "chain" if k else "baseline", k)
+    decoder = Decoder(engine, DecodeConfig(mode="chain" if k else "baseline", draft_tokens=k or 1,
+                                           batch_size=batch_size))
     for i, ids, params, budget in rows:
-        decoder.add(i, ids, max_tokens=budget, sampling=params)
+        decoder.add(i, ids, [params], max_tokens=budget)
     results = {}
     while decoder.pending:
-        results.update(decoder.step())
+        results.update({key: r for (key, _), r in decoder.step()})
     for i, ids, params, budget in rows:
         reference = plain.sample(ids, params, budget)
         assert_same_or_near_tie(f"{name} B={batch_size} K={k} row {i}", results[i].tokens, reference, params)
@@ -225,13 +227,13 @@ def test_auto_drafter_gives_way_to_the_mlx_head_for_the_first_sampled_row(held_o
         pytest.skip("needs the C++ drafter")
     rows = [(i, engine.encode(p), SamplingParams(seed=5 + i, **({} if i < 2 else SETTINGS[i % 2])), 10 + 4 * i)
             for i, p in enumerate(PROMPTS[:5])]  # two greedy rows, then three sampled
-    decoder = BatchedDecoder(engine, 3, "chain", 2)
+    decoder = Decoder(engine, DecodeConfig(draft_tokens=2, batch_size=3))
     for i, ids, params, budget in rows:
-        decoder.add(i, ids, max_tokens=budget, sampling=params)
+        decoder.add(i, ids, [params], max_tokens=budget)
     results, drafters = {}, []
     while decoder.pending:
-        results.update(decoder.step())
-        drafters.append((decoder.drafter.name, sorted(r.key for r in decoder.rows)))
+        results.update({key: r for (key, _), r in decoder.step()})
+        drafters.append((decoder.drafter.name, sorted(r.key[0] for r in decoder.rows)))
     assert drafters[0] == ("cpp", [0, 1])  # the sampled rows wait for the greedy ones
     assert drafters[-1][0] == "mlx" and all(keys == [] or min(keys) >= 2 for d, keys in drafters if d == "mlx")
     for i, ids, params, budget in rows:
@@ -247,8 +249,8 @@ def test_n_samples_share_a_prefill_and_equal_single_generations(held_out):
     for seed, result in zip(seeds, shared):
         assert result.tokens == engine.generate(ids, max_tokens=24, mode="chain", temperature=0.9, seed=seed).tokens
     assert len({tuple(r.tokens) for r in shared}) > 1, "different seeds gave one completion"
-    decoder = BatchedDecoder(engine, 4, "chain", 3)
-    decoder.add("p", ids, max_tokens=24, sampling=[SamplingParams(0.9, seed=s) for s in seeds])
+    decoder = Decoder(engine, DecodeConfig(draft_tokens=3, batch_size=4))
+    decoder.add("p", ids, [SamplingParams(0.9, seed=s) for s in seeds], max_tokens=24)
     batched = {}
     while decoder.pending:
         batched.update(decoder.step())
@@ -261,8 +263,8 @@ def test_exact_sampler_marginal_is_the_filtered_softmax(held_out, setting):
     name, engine, plain = held_out
     ids = spread_prompt(engine, name)
     n = 4000
-    decoder = BatchedDecoder(engine, n, "baseline", 0)
-    decoder.add("p", ids, max_tokens=1, sampling=[SamplingParams(seed=s, **setting) for s in range(n)])
+    decoder = Decoder(engine, DecodeConfig(mode="baseline", batch_size=n))
+    decoder.add("p", ids, [SamplingParams(seed=s, **setting) for s in range(n)], max_tokens=1)
     finished = dict(decoder.step())
     # An end-of-sequence token ends the completion before it: an empty one.
     observed = Counter(r.tokens[0] if r.tokens else "eos" for r in (finished[("p", j)] for j in range(n)))
@@ -311,9 +313,9 @@ def test_rejection_sampler_joint_of_three_tokens_equals_plain_sampling(held_out)
     n, chunk = 6000, 500
     observed, accepted, drafted = Counter(), 0, 0
     for start in range(0, n, chunk):
-        decoder = BatchedDecoder(engine, chunk, "chain", k)
-        decoder.add("p", ids, max_tokens=3, sampling=[SamplingParams(1.0, top_k=3, seed=s, sampler="rejection")
-                                                      for s in range(start, start + chunk)])
+        decoder = Decoder(engine, DecodeConfig(draft_tokens=k, batch_size=chunk))
+        decoder.add("p", ids, [SamplingParams(1.0, top_k=3, seed=s, sampler="rejection")
+                               for s in range(start, start + chunk)], max_tokens=3)
         while decoder.pending:
             for _, result in decoder.step():
                 tokens = tuple(result.tokens)

@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load as mlx_lm_load
 
 from mtp_engine import MTPEngine
-from mtp_engine.io.weights import files_with_prefix
+from mtp_engine.weights import files_with_prefix
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "models" / "qwen3-next-tiny-stdlib"

@@ -202,7 +202,7 @@ def read_model_folder(folder: Path) -> tuple[dict, dict[str, np.ndarray], dict]:
     """(config, weights, progress) of a Hub-layout Qwen3-Next folder, the
     weights under the trainer's names (``trunk.*``, ``head.*`` from
     ``mtp.*``) in the MLX layout the trainer keeps."""
-    from mtp_engine.io.weights import MTP_PREFIX, hub_to_mlx
+    from mtp_engine.weights import MTP_PREFIX, hub_to_mlx
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())

@@ -19,6 +19,8 @@ from mtp_engine.drafters import cpp_head
 from mtp_engine.drafters.head_weights import UnsupportedHead, head_weights
 from mtp_engine.io.tiny import tiny_config
 from mtp_engine.model.mtp_head import build_models
+from mtp_engine.modes import DecodeConfig
+from mtp_engine.sampling import GREEDY
 
 pytestmark = pytest.mark.skipif(
     mx.default_device() != mx.cpu or cpp_head.extension() is None,
@@ -47,96 +49,106 @@ def prompt_hidden(engine, text):
     return ids, hidden
 
 
+def drafter_with(engine, kind, hidden, pairs):
+    """A fresh drafter of ``kind`` with one row whose prompt pairs are ``pairs``."""
+    drafter = engine.make_drafter(kind)
+    drafter.add_row(None, hidden, pairs)
+    return drafter
+
+
+def propose(drafter, k, mode="chain", tau=0.5):
+    """Each row's drafts (the ones it uses), greedy."""
+    rows = drafter.rows
+    p = drafter.propose(DecodeConfig(mode=mode, tau=tau), k, [GREEDY] * rows, [0] * rows, [k] * rows)
+    return [t[:u] for t, u in zip(p.tokens.tolist(), p.uses or [k] * rows)]
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_equal_the_mlx_heads_to_float_rounding(engines, name):
     engine = engines[name]
     assert engine.drafters.cpp is not None, "the engine should draft in C++ on the CPU"
     ids, hidden = prompt_hidden(engine, "def add(a, b):\n    return a + b\n")
     pairs = ids[1:] + [5]
-    mlx_drafter = engine.drafters.mlx
-    state = mlx_drafter.new_state()
-    mlx_drafter.set_pending(state, hidden, pairs)
-    want, m = mlx_drafter.first_step(state)
-    session = engine.drafters.cpp.head.session()
+    head, embed = engine.checkpoint.head, engine.model.model.embed_tokens
+    cache = head.make_cache()
+    m = head(hidden, embed(mx.array(pairs)[None]), cache)[:, -1:]
+    want = engine.lm_head(m)[0, 0]
+    session = engine.drafters.cpp.session()
     m_native, got = session.logits(hidden[0], pairs)
     assert mx.allclose(mx.array(got), want, rtol=1e-4, atol=1e-4).item()
     assert mx.allclose(mx.array(m_native), m.reshape(-1), rtol=1e-4, atol=1e-4).item()
     # Two more steps from the head's own hidden, at the next positions.
     token = int(mx.argmax(want))
     for _ in range(2):
-        want, m = mlx_drafter.step(state, m, token)
+        m = head(m, embed(mx.array([[token]])), cache)
+        want = engine.lm_head(m)[0, 0]
         m_in = mx.array(m_native)[None]
         m_native, got = session.logits(m_in, [token])
         assert mx.allclose(mx.array(got), want, rtol=1e-4, atol=1e-4).item()
         token = int(mx.argmax(want))
-    assert session.offset == state.offset
+    assert session.offset == cache[0].offset
 
 
 @pytest.mark.parametrize("name", ["default", "two_mtp_layers"])
 def test_chain_and_adaptive_drafts_equal_the_mlx_drafters(engines, name):
     engine = engines[name]
-    native = engine.drafters.cpp
     for text in ("class Point:", "for i in range(10):", "Hello"):
         ids, hidden = prompt_hidden(engine, text)
         pairs = ids[1:] + [7]
-        s_mlx, s_nat = engine.drafters.mlx.new_state(), native.new_state()
-        engine.drafters.mlx.set_pending(s_mlx, hidden, pairs)
-        native.set_pending(s_nat, hidden, pairs)
-        assert native.draft(s_nat, 5).tolist() == engine.drafters.mlx.draft(s_mlx, 5).tolist()
+        assert propose(drafter_with(engine, "cpp", hidden, pairs), 5) == \
+            propose(drafter_with(engine, "mlx", hidden, pairs), 5)
         for tau in (0.9, 0.3, 0.01):
-            s_mlx, s_nat = engine.drafters.mlx.new_state(), native.new_state()
-            engine.drafters.mlx.set_pending(s_mlx, hidden, pairs)
-            native.set_pending(s_nat, hidden, pairs)
-            assert native.draft_adaptive(s_nat, 6, tau) == engine.drafters.mlx.draft_adaptive(s_mlx, 6, tau)
+            assert propose(drafter_with(engine, "cpp", hidden, pairs), 6, "adaptive", tau) == \
+                propose(drafter_with(engine, "mlx", hidden, pairs), 6, "adaptive", tau)
 
 
 @pytest.mark.parametrize("name", ["default", "two_mtp_layers"])
 def test_drafting_several_generations_together_drafts_what_each_drafts_alone(engines, name):
     engine = engines[name]
-    native = engine.drafters.cpp
-    # Nine: from eight on, each half of the generations drafts on a thread of its own.
+    # Nine: from eight on, each half of the rows drafts on a thread of its own.
     texts = ("class Point:", "for i in range(10):\n    print(i)", "Hello", "import os", "x = 1", "def f(a):",
              "while True:\n    pass", "# a comment", "print('hi')")
     prompts = [prompt_hidden(engine, t) for t in texts]
-    alone, together = [native.new_state() for _ in texts], [native.new_state() for _ in texts]
-    for states in (alone, together):
-        for state, (ids, hidden) in zip(states, prompts):
-            native.set_pending(state, hidden, ids[1:] + [7])  # prompts of different lengths, own arrays
-    want = [native.draft(s, 4).tolist()[0] for s in alone]
-    got = native.draft_batch(together, 4)
+    alone = [drafter_with(engine, "cpp", hidden, ids[1:] + [7]) for ids, hidden in prompts]
+    together = engine.make_drafter("cpp")
+    for ids, hidden in prompts:
+        together.add_row(None, hidden, ids[1:] + [7])  # prompts of different lengths, own arrays
+    want = [propose(d, 4)[0] for d in alone]
+    got = together.propose(DecodeConfig(), 4, [GREEDY] * len(texts), [0] * len(texts), [4] * len(texts)).tokens
     assert got.shape == (len(texts), 4) and got.tolist() == want
-    assert [s.session.offset for s in together] == [s.session.offset for s in alone]
-    # Next round: every generation's pairs from one verify-like [B, W, dim]
-    # array, a different row and count each.
+    assert [s.session.offset for s in together.states] == [d.states[0].session.offset for d in alone]
+    # Next round: every row's pairs from one verify-like [B, W, dim] array,
+    # a different row and count each.
     dim = engine.model.args.hidden_size
     verify = mx.random.normal((len(texts), 3, dim), key=mx.random.key(1))
-    for b, states in enumerate((alone, together)):
-        for row, state in enumerate(states):
-            native.commit(state, verify, [11 + row, 5, 9][: 1 + row % 3], row=row)  # different counts
-    want = [native.draft(s, 3).tolist()[0] for s in alone]
-    assert native.draft_batch(together, 3).tolist() == want
+    emitted = [[11 + row, 5, 9][: 1 + row % 3] for row in range(len(texts))]  # different counts
+    for row, d in enumerate(alone):
+        d.commit(verify, [emitted[row]], [row])
+    together.commit(verify, emitted, list(range(len(texts))))
+    want = [propose(d, 3)[0] for d in alone]
+    assert propose(together, 3) == want
 
 
 def test_drafting_together_names_bad_input(tiny_engine):
     native = tiny_engine.drafters.cpp
     ext = cpp_head.extension()
     ids, hidden = prompt_hidden(tiny_engine, "Hello")
-    a, b = native.new_state(), native.new_state()
+    a, b = native.session(), native.session()
     with pytest.raises(ValueError, match="session 1 repeats"):
-        ext.draft_batch([a.session, a.session], [hidden], [0, 0], [0, 0], [ids, ids], 2)
+        ext.draft_batch([a, a], [hidden], [0, 0], [0, 0], [ids, ids], 2)
     with pytest.raises(ValueError, match="one entry per session"):
-        ext.draft_batch([a.session, b.session], [hidden], [0], [0, 0], [ids, ids], 2)
+        ext.draft_batch([a, b], [hidden], [0], [0, 0], [ids, ids], 2)
     with pytest.raises(ValueError, match="source 1 of 1 hiddens"):
-        ext.draft_batch([a.session, b.session], [hidden], [0, 1], [0, 0], [ids, ids], 2)
+        ext.draft_batch([a, b], [hidden], [0, 1], [0, 0], [ids, ids], 2)
     with pytest.raises(ValueError, match="k must be >= 1"):
-        ext.draft_batch([a.session, b.session], [hidden], [0, 0], [0, 0], [ids, ids], 0)
-    assert a.session.offset == b.session.offset == 0  # nothing was written
+        ext.draft_batch([a, b], [hidden], [0, 0], [0, 0], [ids, ids], 0)
+    assert a.offset == b.offset == 0  # nothing was written
 
 
 @pytest.mark.parametrize("mode, k", [("chain", 3), ("chain", 4), ("adaptive", 5)])
 def test_decoding_with_cpp_drafts_equals_plain_decoding(tiny_path, mode, k):
     engine = MTPEngine.load(tiny_path)
-    assert engine.drafter_for(mode) is engine.drafters.cpp
+    assert engine.pick_drafter(mode) == "cpp"
     for prompt in ("def add(a, b):", "import os\nimport sys", "x"):
         plain = engine.generate(prompt, max_tokens=40, mode="baseline")
         fast = engine.generate(prompt, max_tokens=40, mode=mode, draft_tokens=k)
@@ -149,7 +161,7 @@ def test_decoding_with_cpp_drafts_equals_plain_decoding(tiny_path, mode, k):
 
 def test_tree_modes_keep_the_mlx_drafter(tiny_engine):
     for mode in ("tree", "adaptive_tree", "paths"):
-        assert tiny_engine.drafter_for(mode) is tiny_engine.drafters.mlx
+        assert tiny_engine.pick_drafter(mode) == "mlx"
         with pytest.raises(ValueError, match=f"no C\\+\\+ drafter for mode '{mode}'"):
             tiny_engine.generate("x", max_tokens=4, mode=mode, drafter="cpp")
     with pytest.raises(ValueError, match="drafter must be one of 'auto', 'mlx', 'mlx-eager', 'cpp', 'cuda', got 'gpu'"):
@@ -157,24 +169,23 @@ def test_tree_modes_keep_the_mlx_drafter(tiny_engine):
 
 
 def test_commit_rewinds_the_drafted_entries(tiny_engine):
-    native = tiny_engine.drafters.cpp
     ids, hidden = prompt_hidden(tiny_engine, "Hello, world!")
-    state = native.new_state()
-    native.set_pending(state, hidden, ids[1:] + [3])
-    drafts = native.draft(state, 4).tolist()[0]
+    drafter = drafter_with(tiny_engine, "cpp", hidden, ids[1:] + [3])
+    state = drafter.states[0]
+    drafts = propose(drafter, 4)[0]
     n = len(ids)
     assert len(drafts) == 4
     assert state.base == n and state.session.offset == n + 3  # the last draft is not consumed
-    native.commit(state, hidden[:, :2], [drafts[0], 9])
+    drafter.commit(hidden[:, :2], [[drafts[0], 9]], [0])
     assert state.session.offset == n
-    mx.eval(native.draft(state, 2))
+    mx.eval(drafter.propose(DecodeConfig(), 2, [GREEDY], [0], [2]).tokens)
     assert state.base == n + 2 and state.session.offset == n + 3
     with pytest.raises(ValueError, match="rewind to 99"):
         state.session.rewind(99)
 
 
 def test_bad_input_is_named(tiny_engine):
-    session = tiny_engine.drafters.cpp.head.session()
+    session = tiny_engine.drafters.cpp.session()
     dim = tiny_engine.model.args.hidden_size
     vocab = tiny_engine.model.args.vocab_size
     h = mx.zeros((1, dim))
@@ -214,12 +225,12 @@ def test_heads_it_cannot_run_are_left_to_mlx(tiny_engine):
 
 def test_switched_off_by_option_and_by_environment(tiny_path):
     engine = MTPEngine.load(tiny_path, cpp_drafter=False)
-    assert engine.drafters.cpp is None and engine.drafter_for("chain") is engine.drafters.mlx
+    assert engine.drafters.cpp is None and engine.pick_drafter("chain") == "mlx"
     assert "fast path cpp_drafter: off (by choice)" in [s.line() for s in engine.fast_paths]
     script = (
         "from mtp_engine import MTPEngine\n"
         f"e = MTPEngine.load({str(tiny_path)!r})\n"
-        "print(e.drafters.cpp is None, e.drafter_for('chain') is e.drafters.mlx)\n"
+        "print(e.drafters.cpp is None, e.pick_drafter('chain') == 'mlx')\n"
     )
     env = {**os.environ, "MTP_CPP_DRAFTER": "0"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
@@ -230,7 +241,7 @@ def test_switched_off_by_option_and_by_environment(tiny_path):
 def test_cpp_drafter_on_gpu_changes_nothing_on_the_cpu_backend(tiny_path):
     # cpp_drafter_on_gpu only matters on a GPU; on the CPU the C++ head is used anyway.
     engine = MTPEngine.load(tiny_path, cpp_drafter_on_gpu=True)
-    assert engine.drafter_for("chain") is engine.drafters.cpp is not None
+    assert engine.pick_drafter("chain") == "cpp" and engine.drafters.cpp is not None
     plain = engine.generate("class Point:", max_tokens=24, mode="baseline")
     assert engine.generate("class Point:", max_tokens=24, mode="chain").tokens == plain.tokens
 
@@ -242,7 +253,7 @@ def test_a_lazy_draft_keeps_its_session_alive(tiny_engine):
     pairs = ids[1:] + [4]
     eng_head = tiny_engine.checkpoint.head
     embed = tiny_engine.model.model.embed_tokens
-    want = tiny_engine.drafters.cpp.head.session().draft(hidden[0], pairs, 3)[0]
+    want = tiny_engine.drafters.cpp.session().draft(hidden[0], pairs, 3)[0]
     head, why = cpp_head.build_cpp_head(eng_head, embed, tiny_engine.model.lm_head)
     assert why is None
     session = head.session()
@@ -257,7 +268,7 @@ def test_pairs_are_read_from_any_row_dtype_and_layout(tiny_engine):
     # row's first positions in place, whatever the dtype or strides.
     ids, hidden = prompt_hidden(tiny_engine, "import os\nimport sys")
     pairs = ids[1:5]
-    head = tiny_engine.drafters.cpp.head
+    head = tiny_engine.drafters.cpp
     _, want = head.session().logits(hidden[0, :4], pairs)
     padded = mx.concatenate([mx.zeros_like(hidden), hidden, mx.ones_like(hidden)])  # rows 0..2, ours is 1
     strided = mx.swapaxes(mx.contiguous(mx.swapaxes(padded, 1, 2)), 1, 2)  # same values, other strides

@@ -15,12 +15,12 @@ import pytest
 
 from mtp_engine import MTPEngine
 from mtp_engine.cache.capture import make_main_cache
-from mtp_engine.drafters.cuda_chain import CudaChainDrafter, build_chain_kernel
+from mtp_engine.drafters import cuda_chain as chain_drafter
+from mtp_engine.drafters.cuda_chain import build_chain_kernel
 from mtp_engine.drafters.head_weights import UnsupportedHead
-from mtp_engine.drafters.mlx_head import MLXDrafter
 from mtp_engine.io.tiny import tiny_config
 from mtp_engine.kernels import cuda_chain
-from mtp_engine.options import is_cuda_backend
+from mtp_engine.backend import is_cuda_backend
 from tests.conftest import PROMPTS
 from tests.mtp_engine.kernels import simt
 
@@ -69,7 +69,7 @@ def make_kernel(engine, cls=None):
         kernel, why = build_chain_kernel(head, embed, lm_head)
         assert kernel is not None, f"the kernel should serve the tiny heads on CUDA: {why}"
         return kernel
-    return cls(*cuda_chain.kernel_weights(head, embed, lm_head))
+    return cls(*chain_drafter.kernel_weights(head, embed, lm_head))
 
 
 def reference_chain(engine, ids, pending, k):
@@ -78,23 +78,23 @@ def reference_chain(engine, ids, pending, k):
     values, the drafts and the last step's logits."""
     hidden = engine.model.model(mx.array(ids)[None], cache=make_main_cache(engine.model))
     pairs = ids[1:] + [5]
-    drafter = MLXDrafter(engine.checkpoint.head, engine.model.model.embed_tokens, engine.lm_head)
-    state = drafter.new_state()
+    head, embed = engine.checkpoint.head, engine.model.model.embed_tokens
+    cache = head.make_cache()  # the head alone, eager, with mlx-lm's KV cache
     split = len(pairs) - pending
-    c = state.cache[0]
+    c = cache[0]
     before = (None, None, 0)
     if split:
-        drafter.set_pending(state, hidden[:, :split], pairs[:split])
-        drafter.first_step(state)
+        head(hidden[:, :split], embed(mx.array(pairs[:split])[None]), cache)
         before = (c.keys + 0, c.values + 0, c.offset)
         mx.eval(before[:2])
-    drafter.set_pending(state, hidden[:, split:], pairs[split:])
-    logits, m, token = drafter._forward_pending(state)
+    m = head(hidden[:, split:], embed(mx.array(pairs[split:])[None]), cache)[:, -1:]
     rows = (c.keys[0, :, before[2]:c.offset] + 0, c.values[0, :, before[2]:c.offset] + 0)
-    drafts = [token.item()]
-    for _ in range(k - 1):
-        logits, m, token = drafter._forward(state, m, token)
-        drafts.append(token.item())
+    drafts = []
+    for j in range(k):
+        logits = engine.lm_head(m)[0, 0]
+        drafts.append(int(mx.argmax(logits)))
+        if j + 1 < k:
+            m = head(m, embed(mx.array([[drafts[-1]]])), cache)
     return hidden[0, split:], pairs[split:], before, rows, drafts, logits
 
 
@@ -142,10 +142,8 @@ def test_decoding_with_the_emulated_kernel_equals_plain_decoding(engines):
     the MLX head, pending pairs, cache commits. Output equals plain decoding
     and acceptance equals the MLX drafter's."""
     engine = engines["default"]
-    kernel = make_kernel(engine, EmulatedKernel)
-    head, embed = engine.checkpoint.head, engine.model.model.embed_tokens
-    own = engine.drafters.cuda  # the engine's GPU kernel on CUDA, else None
-    engine.drafters.cuda = CudaChainDrafter(head, embed, engine.lm_head, kernel)
+    own = engine.drafters.kernel  # the engine's GPU kernel on CUDA, else None
+    engine.drafters.kernel = make_kernel(engine, EmulatedKernel)
     try:
         for prompt in (PROMPTS[0], PROMPTS[3]):
             plain = engine.generate(prompt, max_tokens=24, mode="baseline")
@@ -154,21 +152,21 @@ def test_decoding_with_the_emulated_kernel_equals_plain_decoding(engines):
             assert kernel_run.tokens == plain.tokens
             assert kernel_run.stats.histogram == mlx_run.stats.histogram
     finally:
-        engine.drafters.cuda = own
+        engine.drafters.kernel = own
 
 
 def test_heads_the_kernel_cannot_serve(checkpoint_factory, engines):
     engine = MTPEngine.load(checkpoint_factory("kernel-mtp2", tiny_config(mtp_num_hidden_layers=2), seed=3))
     head, embed = engine.checkpoint.head, engine.model.model.embed_tokens
     with pytest.raises(UnsupportedHead, match="2 MTP layers"):
-        cuda_chain.kernel_weights(head, embed, engine.model.lm_head)
+        chain_drafter.kernel_weights(head, embed, engine.model.lm_head)
     default = engines["default"]
-    cuda_chain.kernel_weights(default.checkpoint.head, default.model.model.embed_tokens, default.model.lm_head)
+    chain_drafter.kernel_weights(default.checkpoint.head, default.model.model.embed_tokens, default.model.lm_head)
     if not ON_CUDA:
         kernel, why = build_chain_kernel(default.checkpoint.head, default.model.model.embed_tokens,
                                          default.model.lm_head)
         assert kernel is None and why == "not MLX's CUDA backend"
-        assert default.drafters.cuda is None
+        assert default.drafters.kernel is None
         with pytest.raises(ValueError, match="cuda"):
             default.generate("x", max_tokens=4, mode="chain", drafter="cuda")
 
@@ -190,7 +188,7 @@ def test_gpu_kernel_drafts_what_the_mlx_head_drafts(engines, pending, k):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_gpu_decoding_with_the_kernel_equals_plain_decoding(engines, name):
     engine = engines[name]
-    assert engine.drafters.cuda is not None
+    assert engine.drafters.kernel is not None
     for prompt in PROMPTS[:4]:
         plain = engine.generate(prompt, max_tokens=40, mode="baseline")
         for k in (1, 4, 9):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mtp_engine.drafters.mlx_head import MLXDrafter
+from mtp_engine.modes import DecodeConfig
+from mtp_engine.sampling import GREEDY
 from tests.conftest import PROMPTS
 
 
@@ -19,21 +20,21 @@ def fresh_chain(engine, committed: list[int], k: int) -> tuple[list[int], list[f
         The drafts, the top-2 logit gap at each, and the running product of
         top-1 probabilities.
     """
-    model = engine.model
+    model, head = engine.model, engine.checkpoint.head
+    embed = model.model.embed_tokens
     hidden = model.model(mx.array(committed[:-1])[None], cache=model.make_cache())
-    drafter = MLXDrafter(engine.checkpoint.head, model.model.embed_tokens, engine.lm_head)
-    state = drafter.new_state()
-    drafter.set_pending(state, hidden, committed[1:])
-    logits, m = drafter.first_step(state)
+    cache = head.make_cache()  # the head alone, eager, as the reference
+    m = head(hidden, embed(mx.array(committed[1:])[None]), cache)[:, -1:]
     drafts, gaps, products, running = [], [], [], 1.0
     for _ in range(k):
+        logits = engine.lm_head(m)[0, 0]
         top2 = mx.sort(logits)[-2:]
         gaps.append(float(top2[1] - top2[0]))
         d = int(mx.argmax(logits))
         running *= float(mx.softmax(logits)[d])
         drafts.append(d)
         products.append(running)
-        logits, m = drafter.step(state, m, d)
+        m = head(m, embed(mx.array([[d]])), cache)
     return drafts, gaps, products
 
 
@@ -135,10 +136,9 @@ def test_adaptive_tree_branch_only_when_deep(tiny_engine):
 
 
 def test_chain_draft_needs_a_positive_depth(tiny_engine):
-    drafter = tiny_engine.drafter_for("tree")  # the MLX drafter
-    state = drafter.new_state()
+    drafter = tiny_engine.make_drafter(tiny_engine.pick_drafter("tree"))  # the MLX drafter
     hidden = mx.zeros((1, 2, tiny_engine.model.args.hidden_size))
-    drafter.set_pending(state, hidden, [5, 6])
+    drafter.add_row(None, hidden, [5, 6])
     with pytest.raises(ValueError, match="k >= 1 tokens, got 0"):
-        drafter.draft(state, 0)
-    assert drafter.draft(state, 3).shape == (1, 3)
+        drafter.propose(DecodeConfig(), 0, [GREEDY], [0], [0])
+    assert drafter.propose(DecodeConfig(), 3, [GREEDY], [0], [3]).tokens.shape == (1, 3)

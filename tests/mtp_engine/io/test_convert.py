@@ -13,7 +13,7 @@ from mlx_lm.utils import load as mlx_lm_load
 from mtp_engine import CheckpointError, MTPEngine
 from mtp_engine.io.convert import main as convert_main
 from mtp_engine.io.tiny import make_tiny_checkpoint, tiny_config, tiny_qwen35_config
-from mtp_engine.io.weights import MTP_FILE, files_with_prefix
+from mtp_engine.weights import MTP_FILE, files_with_prefix
 from tests.conftest import PROMPTS
 from tests.mtp_engine.test_lossless import check_against_reference
 

@@ -8,7 +8,7 @@ import mlx.core as mx
 from mlx_lm.utils import load as mlx_lm_load
 
 from mtp_engine.io.tiny import build_tiny_models, make_tiny_checkpoint, tiny_config
-from mtp_engine.io.weights import read_safetensors_header
+from mtp_engine.weights import read_safetensors_header
 
 
 def test_hub_layout_keys_and_shapes(tmp_path):

@@ -129,7 +129,7 @@ def test_captured_states_equal_token_by_token_decoding_bit_for_bit_on_the_bundle
     # re-run with MLX's matmuls on the BLAS MLX bundles (the suite itself runs
     # on the route).
     proc = run_python(["-m", "pytest", "-q", "-p", "no:cacheprovider",
-                       "tests/mtp_engine/model/test_gated_delta.py", "tests/mtp_engine/cache/test_ops.py"],
+                       "tests/mtp_engine/model/test_gated_delta.py", "tests/mtp_engine/cache/test_commit.py"],
                       MTP_CPU_BLAS="0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout

@@ -17,7 +17,7 @@ from mlx.utils import tree_map
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from mtp_engine.kernels import cuda_moe
-from mtp_engine.options import is_cuda_backend
+from mtp_engine.backend import is_cuda_backend
 from tests.mtp_engine.kernels import simt
 
 ON_CUDA = is_cuda_backend()

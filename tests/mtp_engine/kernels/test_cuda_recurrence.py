@@ -11,7 +11,7 @@ from mlx_lm.models.gated_delta import _gated_delta_step_ops, gated_delta_update
 
 from mtp_engine.cache.capture import StackedStates
 from mtp_engine.kernels import cuda_recurrence, recurrence
-from mtp_engine.options import is_cuda_backend
+from mtp_engine.backend import is_cuda_backend
 
 needs_cuda = pytest.mark.skipif(not is_cuda_backend(), reason="needs MLX on a CUDA GPU")
 

@@ -12,7 +12,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextDecoderLayer
 
 from mtp_engine import MTPEngine
 from mtp_engine.cache.capture import StateCaptureCache, make_main_cache
-from mtp_engine.cache.ops import commit_tree_row, tile_caches
+from mtp_engine.cache.batch import append_row, commit_rows, filter_rows, make_batch_cache
 from mtp_engine.model.compiled import (
     CompiledDecoderLayer,
     CompiledMTPLayer,
@@ -101,12 +101,14 @@ def test_decode_steps_and_tiled_rows_are_bit_identical(pair):
     rows = [[60, 61, 62, 63], [70, 71, 72, 73], [80, 81, 82, 83]]
     outs = []
     for ckpt in (compiled, eager):
-        caches = _prefill(ckpt.model)
+        caches = make_batch_cache(ckpt.model)  # a batch of one row, as the decoder runs it
+        append_row(caches, _prefill(ckpt.model), 0)
         steps = [ckpt.model(mx.array([[t]]), cache=caches) for t in (5, 9, 200)]
-        tile_caches(caches, len(rows))
+        filter_rows(caches, [0] * len(rows), trim=False)  # a row per path
         begin_capture(caches)
         tree = ckpt.model(mx.array(rows), cache=caches)
-        assert commit_tree_row(caches, 4, 2, 1)
+        commit_rows(caches, 4, [2] * len(rows))
+        filter_rows(caches, [1], trim=False)
         after = ckpt.model(mx.array([[11]]), cache=caches)
         outs.append(steps + [tree, after])
     for a, b in zip(*outs):

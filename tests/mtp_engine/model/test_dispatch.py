@@ -9,13 +9,9 @@ from mlx.utils import tree_flatten
 
 from mtp_engine import MTPEngine
 from mtp_engine.model.compiled import CompiledDecoderLayer
-from mtp_engine.model.dispatch import (
-    DispatchedLayer,
-    dispatched_class,
-    install_layer_dispatch,
-)
-from mtp_engine.model.swap import share_weights
-from mtp_engine.options import CUDA_DISPATCH_MIN_TOKENS, EngineOptions, is_cuda_backend
+from mtp_engine.model.dispatch import CUDA_DISPATCH_MIN_TOKENS, DISPATCHED, DispatchedLayer, dispatched, install_layer_dispatch
+from mtp_engine.options import EngineOptions
+from mtp_engine.backend import is_cuda_backend
 from mtp_engine.tools.host_cost import primitive_counts
 
 PROMPTS = [[12, 7, 99, 31, 5, 150, 42, 8, 77, 3], [5, 6, 7], list(range(20, 60))]
@@ -50,23 +46,25 @@ def test_only_verify_forwards_of_enough_tokens_dispatch(engines):
     layer = on.model.model.layers[0]
     dim = on.model.args.hidden_size
 
-    def pending_ops(cls, rows: int, width: int) -> int:
+    base = next(b for b, d in DISPATCHED.items() if type(layer) is d)
+    plain = base.__new__(base)  # the layer as it was before the install
+    dict.update(plain, layer)
+    plain.__dict__.update(layer.__dict__)
+
+    def pending_ops(min_tokens: int, rows: int, width: int) -> int:
         x = mx.random.normal((rows, width, dim))
         mx.eval(x)
-        out = share_weights(cls, layer)(x, None, None)
+        out = dispatched(plain, min_tokens)(x, None, None)
         mx.synchronize()
         return sum(primitive_counts(out).values())
 
-    base = type(layer).__mro__[2]  # Dispatched<Base>: (DispatchedLayer, Base)
-    assert pending_ops(dispatched_class(base), 1, 4) == 0
-    assert pending_ops(dispatched_class(base), 1, 1) > 0  # decoding steps never dispatch
-    gpu_rule = dispatched_class(base, CUDA_DISPATCH_MIN_TOKENS)
-    assert gpu_rule.min_tokens == CUDA_DISPATCH_MIN_TOKENS and gpu_rule is not dispatched_class(base)
-    assert pending_ops(gpu_rule, 1, 4) > 0
-    assert pending_ops(gpu_rule, CUDA_DISPATCH_MIN_TOKENS // 4, 4) == 0
-    assert type(layer).min_tokens == (CUDA_DISPATCH_MIN_TOKENS if is_cuda_backend() else 2)
+    assert pending_ops(2, 1, 4) == 0
+    assert pending_ops(2, 1, 1) > 0  # decoding steps never dispatch
+    assert pending_ops(CUDA_DISPATCH_MIN_TOKENS, 1, 4) > 0
+    assert pending_ops(CUDA_DISPATCH_MIN_TOKENS, CUDA_DISPATCH_MIN_TOKENS // 4, 4) == 0
+    assert layer.min_tokens == (CUDA_DISPATCH_MIN_TOKENS if is_cuda_backend() else 2)
     [status] = [s for s in on.fast_paths if s.name == "layer_dispatch"]
-    assert f"of {type(layer).min_tokens} tokens or more" in status.detail
+    assert f"of {layer.min_tokens} tokens or more" in status.detail
     with pytest.raises(ValueError, match="min_tokens must be an int of at least 2, got 1"):
         install_layer_dispatch(on.model, 1)
 

@@ -19,7 +19,7 @@ from mtp_engine import (
     PromptTooLongError,
 )
 from mtp_engine.io.tiny import make_tiny_checkpoint, tiny_config
-from mtp_engine.io.weights import MTP_FILE, MTP_LAYOUT_KEY, files_with_prefix
+from mtp_engine.weights import MTP_FILE, MTP_LAYOUT_KEY, files_with_prefix
 from tests.conftest import PROMPTS
 from tests.mtp_engine.test_lossless import check_against_reference
 

@@ -11,7 +11,9 @@ from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextSparseMoeBlock
 from mtp_engine.io.tiny import tiny_config
 from mtp_engine.model.moe import EngineSparseMoeBlock, install_moe_blocks
 from mtp_engine.model.swap import share_weights
-from mtp_engine.options import GPU_MOE_GROUP_MIN, MAX_VERIFY_WIDTH, is_cuda_backend
+from mtp_engine.model.moe import GPU_MOE_GROUP_MIN
+from mtp_engine.options import MAX_VERIFY_WIDTH
+from mtp_engine.backend import is_cuda_backend
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 40])

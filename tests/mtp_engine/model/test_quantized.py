@@ -19,7 +19,8 @@ from mtp_engine.model.quantized import (
     FlatQuantizedLinear,
     install_flat_quantized,
 )
-from mtp_engine.options import MAX_VERIFY_WIDTH, is_cuda_backend
+from mtp_engine.options import MAX_VERIFY_WIDTH
+from mtp_engine.backend import is_cuda_backend
 from tests.conftest import PROMPTS
 
 ON_CUDA = is_cuda_backend()

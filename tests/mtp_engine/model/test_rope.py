@@ -11,7 +11,7 @@ from mtp_engine.model.rope import (
     rows_per_launch,
 )
 from mtp_engine.model.swap import share_weights
-from mtp_engine.options import is_cuda_backend
+from mtp_engine.backend import is_cuda_backend
 
 ON_CUDA = is_cuda_backend()
 # (rows, heads, tokens a row, rotated dims): whether one launch failed on the H200 (MLX 0.32.4)

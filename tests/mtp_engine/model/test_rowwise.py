@@ -17,7 +17,7 @@ from mtp_engine.model.rowwise import (
     takes_rowwise_route,
 )
 from mtp_engine.model.swap import share_weights
-from mtp_engine.options import is_cuda_backend
+from mtp_engine.backend import is_cuda_backend
 from tests.conftest import PROMPTS
 
 ON_GPU = mx.default_device() != mx.cpu

@@ -96,17 +96,16 @@ def test_dataset_suite_times_one_at_a_time_on_the_first_prompts_only(tmp_path, t
     code = main(["--model", str(tiny_path), "--prompts", str(prompts), "--suite", "dataset", "--limit", "4",
                  "--max-tokens", "6", "--batch-sizes", "2", "--draft-tokens", "2", "--single-k", "1", "3",
                  "--single-limit", "2", "--acceptance-profile", "0.9,0.5", "--no-mlx-lm-batch",
-                 "--prefill-ahead", "0", "2", "--json", str(out)])
+                 "--json", str(out)])
     assert code == 0
     run = json.loads(out.read_text())  # one context: its report at the top level
     assert run["settings"]["single_sequence_prompts"] == 2
     assert "plain batching at B=2" in run["settings"]["reference"]
-    rows = {(r["mode"], r["draft_tokens"], r.get("prefill_ahead", 0)): r for r in run["dataset_runs"]}
-    assert set(rows) == {("plain, one at a time", 0, 0), ("single-sequence chain", 1, 0),
-                         ("single-sequence chain", 3, 0), ("plain batching", 0, 0), ("plain batching", 0, 2),
-                         ("batched chain", 2, 0), ("batched chain", 2, 2)}
+    rows = {(r["mode"], r["draft_tokens"]): r for r in run["dataset_runs"]}
+    assert set(rows) == {("plain, one at a time", 0), ("single-sequence chain", 1),
+                         ("single-sequence chain", 3), ("plain batching", 0), ("batched chain", 2)}
     assert [(c["draft_tokens"], c["batch_size"]) for c in run["batched_cost_model"]] == [(2, 2)]
-    for (mode, _, _), r in rows.items():
+    for (mode, _), r in rows.items():
         n = 2 if mode in ("plain, one at a time", "single-sequence chain") else 4
         assert r["prompts"] == n and r["identical"] == f"{n}/{n}"
         if r["draft_tokens"]:
@@ -171,7 +170,7 @@ def test_batch_rounds_must_be_positive(tmp_path, tiny_path, capsys):
 def test_host_cost_suite_splits_each_forward(tmp_path, tiny_path):
     # One decoding step and one verify forward of 3 tokens, each timed in
     # its three host/device phases, with their primitives counted; the
-    # verify forward is at least as large and has a commit.
+    # verify forward has a commit.
     out = tmp_path / "host.json"
     code = main(["--model", str(tiny_path), "--suite", "host-cost", "--widths", "1", "3", "--context", "64",
                  "--fast-path", "layer_dispatch=off", "--json", str(out)])
@@ -183,7 +182,6 @@ def test_host_cost_suite_splits_each_forward(tmp_path, tiny_path):
     for r in (plain, verify):
         assert min(r["build_ms"], r["async_eval_ms"], r["device_ms"]) >= 0
         assert r["primitives"] == sum(r["primitives_by_type"].values()) > 100
-    assert verify["primitives"] >= plain["primitives"]
     assert plain["commit_ms"] is None and plain["commit_primitives"] is None
     assert verify["commit_ms"] >= 0 and verify["commit_primitives"] > 0
     # Each kind of decoder layer alone at each width: its layers account
@@ -238,16 +236,6 @@ def test_prefill_cost_suite_refuses_bad_block_rows(tiny_path, capsys):
         prefill_cost_suite(engine, [5], [16])
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--prefill-ahead", "0", "-1"], "--prefill-ahead must be 0 or more, got 0 -1"),
-    (["--prefill-ahead", "2", "--phase-times"], "--phase-times and --prefill-ahead do not combine"),
-])
-def test_dataset_suite_refuses_bad_prefill_ahead(tiny_path, capsys, flags, message):
-    with pytest.raises(SystemExit) as exit_:
-        main(["--model", str(tiny_path), "--suite", "dataset", *flags])
-    assert exit_.value.code == 2 and message in capsys.readouterr().err
-
-
 def test_interleaved_rounds_draw_acceptances_of_their_own(tiny_engine):
     # Projected single-sequence chains: each round draws with seeds of its
     # own (one draw over one prompt can sit well off the profile, so rounds
@@ -268,17 +256,22 @@ def test_warm_up_meets_every_verify_shape_of_a_batched_tail(tiny_engine, monkeyp
     # forwards meet [rows, K+1] for every row count from B down; on CUDA each
     # shape costs far more the first time it is met. The warm-up meets all
     # of them (and plain batching's [rows, 1]) before anything is timed.
-    from mtp_engine.batched import BatchedDecoder
+    from mtp_engine import decoder
     from mtp_engine.tools.dataset_bench import warm_up
 
     shapes = set()
-    verify = BatchedDecoder._verify
+    verify, plain_step = decoder.verify, decoder.Decoder._plain_step
 
-    def recording(self, drafts, *args):
-        shapes.add((len(self.rows), 1 + (0 if drafts is None else drafts.shape[1])))
-        return verify(self, drafts, *args)
+    def recording(trunk, lm_head, caches, xs, proposal, *args):
+        shapes.add((xs.shape[0], 1 + (0 if proposal is None else proposal.tokens.shape[1])))
+        return verify(trunk, lm_head, caches, xs, proposal, *args)
 
-    monkeypatch.setattr(BatchedDecoder, "_verify", recording)
+    def recording_plain(self):
+        shapes.add((len(self.rows), 1))
+        return plain_step(self)
+
+    monkeypatch.setattr(decoder, "verify", recording)
+    monkeypatch.setattr(decoder.Decoder, "_plain_step", recording_plain)
     prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(3)]
     warm_up(tiny_engine, prompts, [6], [2, 3], [], profile=(0.6,))
     for width in (1, 3, 4):

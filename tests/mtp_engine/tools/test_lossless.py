@@ -10,7 +10,7 @@ import pytest
 
 from mtp_engine import MTPEngine
 from mtp_engine import verify as verify_module
-from mtp_engine.cache.ops import commit_verified_prefix
+from mtp_engine.cache.batch import commit_rows
 from mtp_engine.tools.lossless import (
     NOISE_CAP,
     Divergence,
@@ -38,11 +38,11 @@ def test_a_commit_one_token_short_is_caught(tiny_path, monkeypatch):
     engine = MTPEngine.load(tiny_path)
     ids = engine.encode("print(i * i)")  # drafts accepted at several lengths
 
-    def short_commit(caches, verified_len, accepted_len):
-        # Recurrent state one token behind what was accepted.
-        return commit_verified_prefix(caches, verified_len, max(accepted_len - 1, 1))
+    def short_commit(caches, width, keep):
+        # Caches one token behind what was accepted.
+        return commit_rows(caches, width, [max(k - 1, 1) for k in keep])
 
-    monkeypatch.setattr(verify_module, "commit_verified_prefix", short_commit)
+    monkeypatch.setattr(verify_module, "commit_rows", short_commit)
     report = check(engine, [ids], ["chain-k3"], 32, log=lambda m: None)
     assert report.failures, "a wrong commit must show as a divergence off any near-tie"
     failure = report.failures[0]

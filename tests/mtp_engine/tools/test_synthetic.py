@@ -96,7 +96,8 @@ def test_qwen35_synthetic_models_decode_losslessly_with_projected_drafts(moe):
     quantized, capturing layers installed; drafts projected at a profile
     leave the output equal to plain decoding."""
     from mtp_engine.model.gated_delta import CapturingQwen35GatedDeltaNet
-    from mtp_engine.projection import ProjectedDrafts, parse_profile
+    from mtp_engine.tools.dataset_bench import decode_prompts
+    from mtp_engine.tools.projection import ProjectedDrafts, parse_profile
     from mtp_engine.tools.synthetic import qwen3_5_27b_config, qwen3_5_35b_a3b_config
 
     toy = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
@@ -112,5 +113,5 @@ def test_qwen35_synthetic_models_decode_losslessly_with_projected_drafts(moe):
     assert engine.checkpoint.head.fc.bits == 4
     plain = engine.generate(PROMPT, max_tokens=24, mode="baseline").tokens
     projection = ProjectedDrafts(parse_profile("0.93,0.82,0.64"), plain, vocab=384, seed=0)
-    result = engine.generate(PROMPT, max_tokens=24, mode="chain", draft_tokens=3, projection=projection)
+    result = decode_prompts(engine, [engine.encode(PROMPT)], 24, 1, 3, [projection])[0][0]
     assert result.tokens == plain and result.stats.accepted > 0

@@ -16,6 +16,8 @@ are labelled "projected at profile X", never measured acceptance.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 
@@ -74,3 +76,41 @@ def project_rows(drafts: mx.array, rows: list[list[int] | None]) -> mx.array:
     k = drafts.shape[1]
     keep = mx.array([r is None for r in rows])[:, None]
     return mx.where(keep, drafts, mx.array([[0] * k if r is None else r for r in rows], dtype=mx.int32))
+
+
+class ProjectingDrafter:
+    """A drafter whose chain drafts are projected (`ProjectedDrafts`) for
+    the rows that have a projection: it drafts with ``inner`` (the head's
+    cost is paid) and replaces each such row's tokens. Rows join with their
+    decoder key; ``projections`` maps a key to its `ProjectedDrafts` (a
+    missing key keeps the head's drafts)."""
+
+    def __init__(self, inner, projections: dict):
+        self.inner = inner
+        self.projections = projections
+        self.keys: list = []
+        self.name, self.modes = inner.name, frozenset({"chain"})
+
+    @property
+    def rows(self) -> int:
+        return self.inner.rows
+
+    def add_row(self, slot, prompt_hidden, pairs, key=None) -> None:
+        self.inner.add_row(slot, prompt_hidden, pairs, key)
+        if slot is None:
+            self.keys.append(key)
+        else:
+            self.keys[slot] = key
+
+    def filter(self, rows: list[int]) -> None:
+        self.inner.filter(rows)
+        self.keys = [self.keys[r] for r in rows]
+
+    def propose(self, decode, k: int, params, starts, caps):
+        proposal = self.inner.propose(decode, k, params, starts, caps)
+        rows = [None if (p := self.projections.get(key)) is None else p.drafts(k, start)
+                for key, start in zip(self.keys, starts)]
+        return replace(proposal, tokens=project_rows(proposal.tokens, rows))
+
+    def commit(self, hidden, emitted, winners) -> None:
+        self.inner.commit(hidden, emitted, winners)

@@ -1,4 +1,4 @@
-"""Batched speculation (`mtp_engine.batched`): every row's tokens equal
+"""The decoder (`mtp_engine.decoder`), batched: every row's tokens equal
 mlx-lm's greedy decoding of its prompt alone (`mlx_lm.load` +
 `generate_step`), for batch sizes 1..16, K = 1..6, prompts of very different
 lengths, budgets per row, rows ending at different steps (EOS, stop strings,
@@ -16,9 +16,12 @@ import mlx.core as mx
 import pytest
 
 from mtp_engine import MTPEngine
-from mtp_engine.batched import PHASES, BatchedDecoder
+from mtp_engine.decoder import Decoder
 from mtp_engine.io.tiny import tiny_config
-from mtp_engine.projection import ProjectedDrafts, parse_profile, project_rows
+from mtp_engine.modes import DecodeConfig
+from mtp_engine.sampling import GREEDY
+from mtp_engine.tools.phases import PHASES, PhaseTimer
+from mtp_engine.tools.projection import ProjectedDrafts, ProjectingDrafter, parse_profile, project_rows
 from tests.conftest import PROMPTS
 from tests.mtp_engine.test_lossless import CONFIGS, first_divergence
 
@@ -82,43 +85,44 @@ def check_row(result, row, eos, engine) -> str:
 
 
 CASES = [
-    # (model, batch size, K, drafter, prompts prefilled ahead on a second stream)
-    ("l4_fai4_kv2_e4k2", 1, 1, "mlx", 0),
-    ("l4_fai4_kv2_e4k2", 3, 2, "cpp", 2),
-    ("l4_fai4_kv2_e4k2", 16, 6, "mlx", 0),
-    ("l6_fai3_kv1_e8k1_mtp2", 5, 4, "mlx", 1),
-    ("l6_fai3_kv1_e8k1_mtp2", 2, 3, "cpp", 0),
-    ("l5_random_tied_sparse2", 8, 5, "mlx", 0),
-    ("eos", 6, 3, "mlx", 3),
-    ("eos", 4, 0, "mlx", 2),  # plain batched decoding
+    # (model, batch size, mode, K, drafter)
+    ("l4_fai4_kv2_e4k2", 1, "chain", 1, "mlx"),
+    ("l4_fai4_kv2_e4k2", 3, "chain", 2, "cpp"),
+    ("l4_fai4_kv2_e4k2", 16, "chain", 6, "mlx"),
+    ("l6_fai3_kv1_e8k1_mtp2", 5, "chain", 4, "mlx"),
+    ("l6_fai3_kv1_e8k1_mtp2", 2, "chain", 3, "cpp"),
+    ("l5_random_tied_sparse2", 8, "chain", 5, "mlx"),
+    ("eos", 6, "chain", 3, "mlx"),
+    ("eos", 4, "baseline", 3, "mlx"),  # plain batched decoding
+    ("l4_fai4_kv2_e4k2", 4, "tree", 3, "mlx"),  # several paths per row
+    ("l6_fai3_kv1_e8k1_mtp2", 3, "paths", 2, "mlx"),
+    ("eos", 5, "adaptive", 4, "cpp"),
+    ("l5_random_tied_sparse2", 3, "adaptive_tree", 3, "mlx"),
 ]
 
 
-@pytest.mark.parametrize("name,batch,k,drafter,ahead", CASES)
-def test_every_row_equals_plain_decoding_of_its_prompt_alone(models, name, batch, k, drafter, ahead, capsys):
+@pytest.mark.parametrize("name,batch,mode,k,drafter", CASES)
+def test_every_row_equals_plain_decoding_of_its_prompt_alone(models, name, batch, mode, k, drafter, capsys):
     engine, reference = models[name]
     if drafter == "cpp" and engine.drafters.cpp is None:
         pytest.skip("needs the C++ drafter")
     rows = rows_for(engine, reference)
-    decoder = BatchedDecoder(engine, batch, "chain" if k else "baseline", k or 3, drafter, prefill_ahead=ahead)
+    decoder = Decoder(engine, DecodeConfig(mode=mode, draft_tokens=k, batch_size=batch, drafter=drafter))
     for i, row in enumerate(rows):
-        decoder.add(i, row["ids"], max_tokens=row["max_tokens"], stop=row["stop"])
-    results, max_in_flight, joined_prefilled = {}, 0, 0
+        decoder.add(i, row["ids"], [GREEDY], max_tokens=row["max_tokens"], stop=row["stop"])
+    results, max_in_flight = {}, 0
     while decoder.pending:
-        ready = {q.key for q in decoder.queue if q.prefilled is not None}
         finished = decoder.step()
-        joined_prefilled += len(ready - {q.key for q in decoder.queue})  # prefilled ahead, then joined
-        results.update(finished)
+        results.update({key: r for (key, _), r in finished})
         max_in_flight = max(max_in_flight, len(decoder.rows))
     assert max_in_flight == min(batch, len(rows))  # rows joined as others left
-    assert (joined_prefilled > 0) == (ahead > 0 and batch < len(rows))
     outcomes = [check_row(results[i], row, engine.eos_token_ids, engine) for i, row in enumerate(rows)]
     reasons = {r.finish_reason for r in results.values()}
     with capsys.disabled():
-        print(f"\n[batched {name} B={batch} K={k} {drafter}] identical={outcomes.count('identical')} "
+        print(f"\n[batched {name} B={batch} {mode} K={k} {drafter}] identical={outcomes.count('identical')} "
               f"near_ties={outcomes.count('near_tie')} finish={sorted(reasons)}")
     assert "length" in reasons and "stop" in reasons
-    if k and CONFIGS.get(name, (None, {}))[1].get("predictability"):
+    if mode != "baseline" and CONFIGS.get(name, (None, {}))[1].get("predictability"):
         assert sum(r.stats.accepted for r in results.values()) > 0  # long accepted prefixes were committed
     if name == "eos":
         eos = engine.eos_token_ids
@@ -151,12 +155,12 @@ def test_generate_batch_yields_rows_as_they_finish_and_returns_them_in_order(mod
 
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(batch_size=0), ValueError, "batch_size must be a positive int, got 0"),
-    (dict(mode="tree"), ValueError, "batched decoding runs modes baseline, chain, got 'tree'"),
+    (dict(mode="beam"), ValueError, "unknown mode 'beam'"),
     (dict(draft_tokens=17), ValueError, "draft_tokens must be an int in 1..16, got 17"),
     (dict(max_tokens=[4]), ValueError, "1 max_tokens for 2 prompts"),
     (dict(max_tokens=0), ValueError, "max_tokens must be a positive int, got 0"),
-    (dict(drafter="cuda"), ValueError, "drafter must be 'auto', 'mlx' or 'cpp'"),
-    (dict(prefill_ahead=-1), ValueError, "prefill_ahead must be an int >= 0, got -1"),
+    (dict(drafter="gpu"), ValueError, "drafter must be one of"),
+    (dict(prefill_ahead=1), TypeError, "unknown keyword 'prefill_ahead'"),
 ])
 def test_bad_parameters_are_named_before_anything_decodes(models, kwargs, error, match):
     engine, _ = models["l4_fai4_kv2_e4k2"]
@@ -175,12 +179,14 @@ def test_projected_drafts_keep_the_output_and_follow_the_profile(models):
     greedy = [reference.greedy(ids, 40) for ids in prompts]
     refs = [tokens for tokens, _ in greedy]
     vocab = engine.model.args.vocab_size
-    decoder = BatchedDecoder(engine, 6, "chain", 3)
-    for i, (ids, ref) in enumerate(zip(prompts, refs)):
-        decoder.add(i, ids, max_tokens=40, projection=ProjectedDrafts(profile, ref, vocab, seed=i))
+    projections = {(i, 0): ProjectedDrafts(profile, ref, vocab, seed=i) for i, ref in enumerate(refs)}
+    drafter = ProjectingDrafter(engine.make_drafter(engine.pick_drafter("chain")), projections)
+    decoder = Decoder(engine, DecodeConfig(draft_tokens=3, batch_size=6), drafter=drafter)
+    for i, ids in enumerate(prompts):
+        decoder.add(i, ids, [GREEDY], max_tokens=40)
     results = {}
     while decoder.pending:
-        results.update(decoder.step())
+        results.update({key: r for (key, _), r in decoder.step()})
     for i, (ref, gaps) in enumerate(greedy):
         first_divergence(results[i].tokens, ref, gaps)
     # Acceptance over the rows that follow their reference: past a near-tie
@@ -196,8 +202,13 @@ def test_projected_drafts_keep_the_output_and_follow_the_profile(models):
     some, all3 = sum(histogram[1:]) / steps, histogram[3] / steps
     assert abs(some - 0.9) < max(0.05, 3 * (0.09 / steps) ** 0.5), (some, steps)
     assert abs(all3 - 0.6) < max(0.1, 3 * (0.24 / steps) ** 0.5), (all3, steps)
-    single = engine.generate(prompts[0], max_tokens=40, mode="chain", draft_tokens=3,
-                             projection=ProjectedDrafts(profile, refs[0], vocab, seed=0))
+    alone = ProjectingDrafter(engine.make_drafter(engine.pick_drafter("chain")),
+                              {(0, 0): ProjectedDrafts(profile, refs[0], vocab, seed=0)})
+    decoder = Decoder(engine, DecodeConfig(draft_tokens=3, batch_size=1), drafter=alone)
+    decoder.add(0, prompts[0], [GREEDY], max_tokens=40)
+    single = None
+    while decoder.pending:
+        single = next((r for _, r in decoder.step()), single)
     first_divergence(single.tokens, *greedy[0])
     assert single.stats.acceptance_length > 2 or single.tokens != refs[0]
     with pytest.raises(ValueError, match="non-increasing"):
@@ -235,14 +246,15 @@ def test_phase_timing_accounts_for_a_run_and_changes_no_token(models, drafter):
         pytest.skip("the C++ drafter is not built")
     prompts = [engine.encode(p) for p in PROMPTS] + [engine.encode(LONG)]
     plain = engine.generate_batch(prompts, batch_size=3, max_tokens=12, draft_tokens=3, drafter=drafter)
-    phases: dict = {}
-    decoder = BatchedDecoder(engine, 3, "chain", 3, drafter=drafter, phase_seconds=phases)
+    timer = PhaseTimer()
+    decoder = Decoder(engine, DecodeConfig(draft_tokens=3, batch_size=3, drafter=drafter), hooks=timer)
     for i, ids in enumerate(prompts):
-        decoder.add(i, ids, max_tokens=12)
+        decoder.add(i, ids, [GREEDY], max_tokens=12)
     results, start = {}, time.perf_counter()
     while decoder.pending:
-        results.update(decoder.step())
+        results.update({key: r for (key, _), r in decoder.step()})
     wall = time.perf_counter() - start
+    phases = timer.seconds
     assert [results[i].tokens for i in range(len(prompts))] == [r.tokens for r in plain]
     expected = set(PHASES) - ({"head_prefill"} if drafter == "cpp" else set())  # C++: prompt pairs in the first draft
     assert set(phases) <= set(PHASES) and expected <= set(phases)
@@ -261,15 +273,3 @@ def test_plain_batched_decoding_is_batch_mode(models):
 
 def test_tiny_config_is_covered():
     assert tiny_config()["num_hidden_layers"] == 4  # the cases above name the configs of test_lossless
-
-
-def test_prefills_ahead_use_one_stream_of_the_engine(models):
-    """Every batch that prefills ahead uses the engine's one second stream
-    (a stream per batch would pile up over a long job)."""
-    engine, _ = models["l4_fai4_kv2_e4k2"]
-    side = engine.side_stream()
-    assert side != mx.default_stream(mx.default_device())
-    for _ in range(2):
-        results = engine.generate_batch(PROMPTS[:5], batch_size=2, max_tokens=4, prefill_ahead=2)
-        assert all(len(r.tokens) == 4 for r in results)
-    assert engine.side_stream() == side

@@ -1,0 +1,349 @@
+"""The decoder: continuous batching of rows that decode plainly or speculate
+together. `MTPEngine.generate` is a batch of one, `generate_samples` n rows
+of one prompt, `generate_batch` many prompts; the job runner drives it too.
+
+Up to ``batch_size`` rows are in flight. A prompt joins after its prefill
+(chunks of ``prefill_step_size`` tokens into batch-of-one caches, then copied
+into the batch's caches: one row per sample, all sharing the prefill) and a
+row leaves as soon as it finishes (EOS, a stop string, its token budget); the
+next prompt joins without stopping the others. Each step:
+
+1. **Draft**: the drafter (`mtp_engine.drafters`) proposes each row's paths
+   (one for chains, several for trees), at most K deep, a row near its
+   budget using only the drafts it can emit.
+2. **Verify**: one trunk forward over every path's ``[x, drafts]`` that
+   captures per-token recurrent states (`mtp_engine.verify`).
+3. **Accept and commit**: each row keeps its best path's accepted prefix and
+   emits it plus a bonus token; attention caches keep those inputs (the rest
+   become holes no later query attends: `mtp_engine.cache.batch`),
+   recurrent caches take, per row, the state after its last one; the
+   drafter queues each row's accepted pairs.
+
+In mode "baseline" a step is plain decoding, one token per row, pipelined as
+mlx-lm's ``generate_step``: the next forward is dispatched before this
+step's tokens are read back. Every row's tokens equal plain decoding of its
+prompt alone: rows never see each other's entries, and each row's state is
+the one its own inputs give.
+
+Where a mode cannot run with other rows: the C++ drafter drafts chains and
+adaptive chains, greedy; the CUDA chain kernel drafts for a batch of one
+row; every other batch, mode and sampler drafts with the MLX head
+(`mtp_engine.drafters.select`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import mlx.core as mx
+
+from mtp_engine.cache.batch import BatchKVCache, append_row, filter_rows, make_batch_cache, replace_row, trim_leading
+from mtp_engine.cache.capture import make_main_cache
+from mtp_engine.modes import DecodeConfig
+from mtp_engine.sampling import SamplingParams, choose
+from mtp_engine.stopping import Finisher, stop_list
+from mtp_engine.verify import verify
+from schemas.records import GenerationResult, GenerationStats, StepTrace
+
+
+GREEDY_ONLY = ("cpp", "cuda")
+"""Drafters that draft greedily only."""
+
+
+class Hooks:
+    """Where a benchmark may look inside a step (the decoder calls these;
+    they do nothing here). ``lap(phase, *arrays, states=...)`` ends a phase:
+    "prefill", "head_prefill", "join", "draft", "verify", "head_commit",
+    "leave" (`mtp_engine.tools.phases` times them)."""
+
+    def lap(self, phase: str | None, *arrays, states: list | None = None) -> None:
+        pass
+
+
+@dataclass
+class _Row:
+    key: Hashable
+    prompt: list[int]
+    finisher: Finisher
+    stats: GenerationStats
+    x: int  # the last emitted token, not yet fed to the trunk
+    sampling: SamplingParams
+    trace: list[StepTrace] | None = None
+    joined_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Queued:
+    key: Hashable
+    prompt: list[int]
+    max_tokens: int
+    stop: list[str]
+    samples: list[SamplingParams]
+    trace: bool
+
+
+def top_logits(logits: mx.array, k: int = 4) -> list[list[tuple[int, float]]]:
+    """The ``k`` highest ``(token, logit)`` pairs of each row of ``[n, vocab]``
+    logits, best first (float32 values)."""
+    order = mx.argsort(-logits.astype(mx.float32), axis=-1)[:, :k]
+    values = mx.take_along_axis(logits, order, axis=-1).astype(mx.float32)
+    return [list(zip(t, v)) for t, v in zip(order.tolist(), values.tolist())]
+
+
+class Decoder:
+    """Continuous batching of speculative (or plain) decoding.
+
+    Args:
+        engine: A loaded `MTPEngine`.
+        decode: The mode, K, batch size and drafter (`DecodeConfig`).
+        hooks: `Hooks` to call at each phase (benchmarks), or None.
+        drafter: A drafter object to use instead of the one ``decode``
+            names (benchmarks wrap one: `mtp_engine.tools.projection`).
+
+    Use `add` to queue prompts and call `step` until `pending` is 0; each
+    step returns the ``((key, sample), result)`` pairs that finished.
+    """
+
+    def __init__(self, engine, decode: DecodeConfig, hooks: Hooks | None = None, drafter=None):
+        self.engine = engine
+        self.decode = decode
+        self.k = decode.draft_tokens if decode.speculative else 0
+        self.hooks = hooks or Hooks()
+        self.drafter = drafter
+        self._own_drafter = drafter is None
+        self.caches = make_batch_cache(engine.model)
+        self.rows: list[_Row] = []
+        self.queue: list[_Queued] = []
+        self._ahead: mx.array | None = None  # plain steps: each fed row's next token, [R, 1], dispatched
+        self._fed: list[bool] = []
+        self._plain_steps = 0
+
+    @property
+    def pending(self) -> int:
+        """Rows queued or in flight (a queued prompt counts its samples)."""
+        return len(self.rows) + sum(len(q.samples) for q in self.queue)
+
+    def add(self, key: Hashable, prompt: str | list[int], samples: list[SamplingParams], *, max_tokens: int = 256,
+            stop: str | list[str] | None = None, trace: bool = False) -> None:
+        """Queue a prompt: one row per sample, keyed ``(key, j)``, all
+        sharing one prefill. Raises the errors of `MTPEngine.generate`."""
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        if not samples or not all(isinstance(p, SamplingParams) for p in samples):
+            raise TypeError("samples must be a non-empty list of SamplingParams")
+        if self.k and any(p.sampler == "rejection" and not p.greedy for p in samples) and self.decode.mode != "chain":
+            raise ValueError(f"the rejection sampler drafts chains; mode {self.decode.mode!r} needs sampler='exact'")
+        stops = stop_list(stop)
+        engine = self.engine
+        ids = engine.check_prompt(engine.encode(prompt))
+        if self.k and self._own_drafter:  # a drafter that cannot draft these rows is named now
+            engine.pick_drafter(self.decode.mode, self.decode.drafter, all(p.greedy for p in samples))
+        elif self.k and self.drafter.name in GREEDY_ONLY and not all(p.greedy for p in samples):
+            raise ValueError(f"the {self.drafter.name} drafter drafts greedily; sampled rows need the MLX head")
+        self.queue.append(_Queued(key, ids, min(max_tokens, engine.context_length - len(ids)), stops,
+                                  list(samples), trace))
+
+    def drop_all(self) -> list[Hashable]:
+        """Abandon every row queued or in flight; return their keys."""
+        keys = [r.key for r in self.rows] + [q.key for q in self.queue]
+        self._keep([])
+        self.queue = []
+        return keys
+
+    close = drop_all
+
+    # -- a step ---------------------------------------------------------------
+
+    def step(self) -> list[tuple[Hashable, GenerationResult]]:
+        """Admit queued rows, then one step for every row in flight; return
+        the rows that finished."""
+        finished = self._admit()
+        if not self.rows:
+            return finished
+        done = self._plain_step() if not self.k else self._speculative_step()
+        if done:
+            finished += [(self.rows[b].key, self._result(self.rows[b])) for b in done]
+            finished += self._refill(done)
+        return finished
+
+    def _speculative_step(self) -> list[int]:
+        rows = self.rows
+        depth = min(self.k, max(r.finisher.remaining for r in rows) - 1)
+        params = [r.sampling for r in rows]
+        starts = [len(r.finisher.tokens) for r in rows]  # the generated position verify column 0 predicts
+        caps = [max(0, min(depth, r.finisher.remaining - 1)) for r in rows]
+        self.hooks.lap(None)
+        t0 = time.perf_counter()
+        proposal = self.drafter.propose(self.decode, depth, params, starts, caps) if depth > 0 else None
+        if proposal is not None:
+            self.hooks.lap("draft", proposal.tokens)
+        t1 = time.perf_counter()
+        xs = mx.array([[r.x] for r in rows], dtype=mx.int32)
+        v = verify(self.engine.model.model, self.engine.lm_head, self.caches, xs, proposal, params, starts)
+        self.hooks.lap("verify", states=self.caches)
+        t2 = time.perf_counter()
+        paths_of: list[list[int]] = [[] for _ in rows]  # each row's verify rows (its paths, in order)
+        for i, o in enumerate(proposal.owners if proposal is not None and proposal.owners is not None
+                              else range(len(rows))):
+            paths_of[o].append(i)
+        done = []
+        for b, (row, tokens) in enumerate(zip(rows, v.emitted)):
+            w = v.winners[b]
+            mine = paths_of[b]
+            s = row.stats
+            s.steps += 1
+            s.drafted += len(v.paths[w])
+            s.accepted += v.accepted[w]
+            s.histogram[v.accepted[w]] += 1
+            s.row_wins[mine.index(w)] += 1
+            s.rescued += mine.index(w) > 0
+            s.draft_s += t1 - t0
+            s.verify_s += t2 - t1
+            if row.trace is not None:
+                row.trace.append(StepTrace([v.paths[i] for i in mine], v.accepted[w], mine.index(w), tokens,
+                                           top_logits(v.logits[w, : len(tokens)])))
+            row.finisher.add(tokens)
+            row.x = tokens[-1]
+            if row.finisher.done:
+                done.append(b)
+        if proposal is not None:
+            self.drafter.commit(v.hidden, v.emitted, v.winners)
+            self.hooks.lap("head_commit")
+        return done
+
+    def _plain_step(self) -> list[int]:
+        """One plain forward for every row, dispatched before the last
+        step's tokens are read (each fed row's ``_ahead`` token)."""
+        rows = self.rows
+        host = mx.array([[r.x] for r in rows], dtype=mx.int32)
+        xs = host if self._ahead is None else mx.where(mx.array(self._fed)[:, None], self._ahead, host)
+        positions = mx.array([[len(r.finisher.tokens) + fed] for r, fed in zip(rows, self._fed)], dtype=mx.int32)
+        logits = self.engine.model(xs, cache=self.caches)[:, -1:, :]
+        ahead = choose(logits, [r.sampling for r in rows], positions)  # [R, 1]
+        mx.async_eval(ahead)
+        self.hooks.lap("verify", ahead)
+        done = []
+        if self._ahead is not None and any(self._fed):
+            tokens = self._ahead.tolist()
+            for b, row in enumerate(rows):
+                if self._fed[b]:
+                    row.stats.steps += 1
+                    row.finisher.add(tokens[b])
+                    row.x = tokens[b][0]
+                    if row.finisher.done:
+                        done.append(b)
+        self._ahead, self._fed = ahead, [True] * len(rows)
+        self._plain_steps += 1
+        if self._plain_steps % 256 == 0:
+            mx.clear_cache()
+        return done
+
+    # -- rows joining and leaving ---------------------------------------------
+
+    def _ready_for(self, samples: list[SamplingParams]) -> bool:
+        """Whether rows sampling as ``samples`` can join now. The drafter is
+        made for the first rows; "auto" drafts greedy rows with the C++ head
+        (or the CUDA kernel) where there is one, so the first sampled rows
+        wait for an empty batch, which then drafts with the MLX head."""
+        if not self.k:
+            return True
+        greedy = all(p.greedy for p in samples)
+        if self.drafter is not None and (greedy or self.drafter.name not in GREEDY_ONLY):
+            return True
+        if self.rows or not self._own_drafter:
+            return False
+        engine = self.engine
+        self.drafter = engine.make_drafter(engine.pick_drafter(self.decode.mode, self.decode.drafter, greedy))
+        return True
+
+    def _admit(self) -> list[tuple[Hashable, GenerationResult]]:
+        """Prefill queued prompts, one at a time, into free places (a prompt
+        with n samples needs n places, or an empty batch)."""
+        finished = []
+        while self.queue and self._ready_for(self.queue[0].samples):
+            if self.rows and len(self.rows) + len(self.queue[0].samples) > self.decode.batch_size:
+                break
+            finished += self._join(self.queue.pop(0), [])
+        return finished
+
+    def _refill(self, done: list[int]) -> list[tuple[Hashable, GenerationResult]]:
+        """The rows ``done`` leave: queued prompts take their places while
+        they fit (each joining row writes only its own slice of the batch's
+        caches), the places left over are dropped."""
+        free = list(done)
+        finished = []
+        while free and self.queue and len(self.queue[0].samples) <= len(free) and self._ready_for(self.queue[0].samples):
+            finished += self._join(self.queue.pop(0), free)
+        if len(free) < len(done):
+            self.hooks.lap(None)
+            trim_leading(self.caches, BatchKVCache.step)  # entries only rows that left attended
+            self.hooks.lap("join", states=self.caches)
+        if free:
+            self._keep([b for b in range(len(self.rows)) if b not in set(free)])
+            self.hooks.lap("leave", states=self.caches)
+        return finished
+
+    def _join(self, q: _Queued, free: list[int]) -> list[tuple[Hashable, GenerationResult]]:
+        """Prefill one queued prompt; each of its rows takes a place from
+        ``free`` (popped) or joins at the end. Returns rows that finished
+        with their first token."""
+        engine = self.engine
+        self.hooks.lap(None)
+        t0 = time.perf_counter()
+        caches = make_main_cache(engine.model)
+        hidden, logits = engine.prefill(q.prompt, caches, keep_hidden=self.k > 0)
+        self.hooks.lap("prefill")
+        prefill_s = (time.perf_counter() - t0) / len(q.samples)
+        firsts = choose(mx.concatenate([logits] * len(q.samples)), q.samples,
+                        mx.zeros((len(q.samples), 1), dtype=mx.int32)).tolist()  # generated position 0
+        finished = []
+        decode = self.decode
+        for j, (params, (x,)) in enumerate(zip(q.samples, firsts)):
+            key = (q.key, j)
+            stats = GenerationStats(mode=decode.mode, prompt_tokens=len(q.prompt), temperature=params.temperature,
+                                    seed=None if params.greedy else params.seed, prefill_s=prefill_s,
+                                    **decode.stats_params())
+            stats.histogram = [0] * (self.k + 1) if self.k else []
+            stats.row_wins = [0] * decode.max_paths if self.k else []
+            finisher = Finisher(engine.tokenizer, engine.eos_token_ids, q.max_tokens, q.stop)
+            row = _Row(key, q.prompt, finisher, stats, x, params, [] if q.trace else None)
+            finisher.add([x])
+            if finisher.done:
+                finished.append((key, self._result(row)))
+                continue
+            if free:
+                slot = free.pop(0)
+                replace_row(self.caches, caches, slot)
+                self.rows[slot] = row
+                self._fed[slot] = False
+            else:
+                slot = None
+                append_row(self.caches, caches, len(self.rows))
+                self.rows.append(row)
+                self._fed.append(False)
+                if self._ahead is not None:  # a place in the dispatched tokens, unread (not fed)
+                    self._ahead = mx.concatenate([self._ahead, mx.zeros((1, 1), dtype=self._ahead.dtype)])
+            self.hooks.lap("join", states=self.caches)
+            if self.drafter is not None:
+                self.drafter.add_row(slot, hidden, q.prompt[1:] + [x], key)
+                self.hooks.lap("head_prefill")
+        return finished
+
+    def _keep(self, rows: list[int]) -> None:
+        filter_rows(self.caches, rows)
+        if self.drafter is not None and self.drafter.rows:
+            self.drafter.filter(rows)
+        if self._ahead is not None:
+            self._ahead = self._ahead[mx.array(rows, dtype=mx.int32)] if rows else None
+        self._fed = [self._fed[r] for r in rows]
+        self.rows = [self.rows[r] for r in rows]
+
+    def _result(self, row: _Row) -> GenerationResult:
+        s = row.stats
+        s.decode_s = time.perf_counter() - row.joined_at
+        s.generated_tokens = len(row.finisher.tokens)
+        return GenerationResult(tokens=row.finisher.tokens, text=row.finisher.text(),
+                                finish_reason=row.finisher.reason or "length", stats=s, prompt_tokens=row.prompt,
+                                trace=row.trace)

@@ -1,0 +1,329 @@
+"""Drafting with the MLX MTP head for the rows of a batch, in every mode.
+
+The head keeps one `BatchKVCache` per layer for all rows, plus each row's
+*pending* pairs (``(H_i, t_{i+1})`` the head has not consumed yet: a joining
+row's last prompt pair, then each step's accepted tokens against the trunk's
+true hiddens), so its cache always matches the committed text. A draft call
+first consumes every row's pending pairs in one forward (right-padded to the
+longest; the padding becomes holes), then drafts:
+
+- chain: K tokens per row, one head forward per position over all rows, on
+  the device: each position's tokens feed the next as an array and start at
+  once (``mx.async_eval``), so the host builds the next step, and the verify
+  forward, while the device computes; the drafts reach the host with the
+  verify's targets in one sync;
+- adaptive: a chain that stops, per row, once the running product of its
+  top-1 probabilities falls below ``tau`` (one sync per position, to stop);
+- paths, tree, adaptive_tree: several paths per row. A row branches by
+  taking the top-n choices at a position (greedy: likeliest; the exact
+  sampler: by the targets' perturbed scores); from the first branch on the
+  head drafts on a gathered copy of its cache with a row per path, so no path
+  sees another's tokens and the committed cache stays untouched.
+
+Commit rewinds what drafting wrote and queues each row's accepted pairs from
+the verify row (path) that won.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mtp_engine.cache.batch import BatchKVCache
+from mtp_engine.drafters.base import Proposal
+from mtp_engine.drafters.compiled_head import CompiledHead
+from mtp_engine.model.mtp_head import MTPHead
+from mtp_engine.modes import SPECULATIVE_MODES, DecodeConfig
+from mtp_engine.options import MAX_VERIFY_WIDTH
+from mtp_engine.sampling import SamplingParams, choose, draft_choice, ranked_rows
+from mtp_engine.verify import positions_of
+
+
+@dataclass
+class _Pending:
+    """Pending pairs of some consecutive rows: ``hidden[r, :counts[r]]``
+    with ``tokens[r]``."""
+
+    hidden: mx.array  # [rows, >= max(counts), dim]
+    tokens: list[list[int]]
+    counts: list[int]
+
+
+class HeadDrafter:
+    """The MLX head drafting for rows (the `mtp_engine.drafters.base.Drafter` interface).
+
+    Args:
+        head: The `MTPHead`; embed: the trunk's embedding; lm_head: hiddens
+            to logits (the trunk's LM head, tied or not).
+        prefill_step_size: Pairs per forward of a joining row's head prefill.
+        compiled: The head's `CompiledHead` (draft forwards in compiled
+            pieces), or None for eager forwards.
+    """
+
+    modes = frozenset(SPECULATIVE_MODES)
+
+    def __init__(self, head: MTPHead, embed: nn.Module, lm_head, prefill_step_size: int = 2048,
+                 compiled: CompiledHead | None = None):
+        self.name = "mlx" if compiled is not None else "mlx-eager"
+        self.head = head
+        self.embed = embed
+        self.lm_head = lm_head
+        self.prefill_step_size = prefill_step_size
+        self.compiled = compiled
+        self._greedy = mx.compile(lambda m: mx.argmax(lm_head(m), axis=-1).astype(mx.int32))
+        self.cache = [BatchKVCache() for _ in head.layers]
+        self.pending: list[_Pending] = []
+        self._base: tuple[int, list[int]] | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.cache[0].batch_size
+
+    # -- rows joining and leaving -------------------------------------------
+
+    def add_row(self, slot: int | None, prompt_hidden: mx.array, tokens: list[int], key=None) -> None:
+        """A joining row (at the end, or in place of row ``slot``, one that
+        left): the head consumes its prompt's pairs ``(prompt_hidden[0, j],
+        tokens[j])`` but the last, which stays pending."""
+        own = [BatchKVCache(1) for _ in self.head.layers]
+        n = len(tokens) - 1
+        ids = mx.array(tokens[:-1])[None]
+        for start in range(0, n, self.prefill_step_size):
+            end = min(start + self.prefill_step_size, n)
+            self.head(prompt_hidden[:, start:end], self.embed(ids[:, start:end]), own)
+            mx.eval([c.state for c in own])
+        last = prompt_hidden[:, n : n + 1]
+        if slot is None:
+            for c, o in zip(self.cache, own):
+                c.add_row(o.keys, o.values, o.idx)
+            self.pending.append(_Pending(last, [tokens[n:]], [1]))
+            return
+        for c, o in zip(self.cache, own):
+            c.replace_row(slot, o.keys, o.values, o.idx)
+        hidden, pending, counts = self._gather_pending()
+        hidden[slot : slot + 1, :1] = last.astype(hidden.dtype)
+        pending[slot], counts[slot] = tokens[n:], 1
+        self.pending = [_Pending(hidden, pending, counts)]
+
+    def filter(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order."""
+        for c in self.cache:
+            c.filter(rows)
+        hidden, tokens, counts = self._gather_pending()
+        index = mx.array(rows, dtype=mx.int32)
+        self.pending = [_Pending(hidden[index], [tokens[r] for r in rows], [counts[r] for r in rows])] if rows else []
+
+    def _gather_pending(self) -> tuple[mx.array, list[list[int]], list[int]]:
+        """All rows' pending pairs as one right-padded block."""
+        width = max(max(p.counts) for p in self.pending)
+        blocks = []
+        for p in self.pending:
+            h = p.hidden[:, :width]
+            if h.shape[1] < width:
+                h = mx.concatenate([h, mx.zeros((h.shape[0], width - h.shape[1], h.shape[2]), h.dtype)], axis=1)
+            blocks.append(h)
+        hidden = blocks[0] if len(blocks) == 1 else mx.concatenate(blocks, axis=0)
+        return hidden, [t for p in self.pending for t in p.tokens], [c for p in self.pending for c in p.counts]
+
+    # -- forwards -----------------------------------------------------------
+
+    def _forward(self, hidden: mx.array, ids: mx.array, cache: list) -> mx.array:
+        """The head's final-normed hiddens over ``[B, L]`` pairs."""
+        if self.compiled is not None and ids.shape[1] <= MAX_VERIFY_WIDTH:
+            return self.compiled.hiddens(hidden, ids, cache)
+        return self.head(hidden, self.embed(ids), cache)
+
+    def _consume(self) -> mx.array:
+        """Feed every row's pending pairs; return the head's hidden at each
+        row's last pair, ``[R, 1, dim]``. What drafting writes from here on
+        is rewound at commit."""
+        hidden, tokens, counts = self._gather_pending()
+        width = hidden.shape[1]
+        ids = mx.array([t + [0] * (width - len(t)) for t in tokens], dtype=mx.int32)  # [R, width]
+        m = self._forward(hidden, ids, self.cache)
+        for c in self.cache:
+            c.settle(counts, width)
+        self._base = (self.cache[0].idx, list(self.cache[0].positions))
+        if len(set(counts)) == 1 and counts[0] == width:
+            return m[:, -1:]
+        return m[mx.arange(len(counts)), mx.array(counts) - 1][:, None]
+
+    # -- drafting -----------------------------------------------------------
+
+    def propose(self, decode: DecodeConfig, k: int, params: list[SamplingParams], starts: list[int],
+                caps: list[int]) -> Proposal:
+        """Drafts for one verify forward: at most ``k`` per path, row ``b``
+        using at most ``caps[b]`` (its budget), its choices at generated
+        positions ``starts[b]..``."""
+        if k < 1:
+            raise ValueError(f"a draft needs k >= 1 tokens, got {k}")
+        m = self._consume()
+        mode = decode.mode
+        if mode == "chain" or (mode == "paths" and decode.paths == 1):
+            return self._chain(m, k, params, starts, caps)
+        if mode == "adaptive":
+            return self._adaptive(m, k, decode.tau, params, starts, caps)
+        if mode == "paths":
+            return self._grow(m, k, params, starts, caps, lambda depth, label: decode.paths if depth == 0 else 1)
+        if mode == "tree":
+            two = decode.tree_pos2 and k >= 2
+
+            def tree(depth, label):  # A (top-1 throughout), B (runner-up at 1), C (runner-up at 2)
+                return 2 if depth == 0 or (two and depth == 1 and label == (0,)) else 1
+            return self._grow(m, k, params, starts, caps, tree, order=[0, 2, 1] if two else None)
+        if mode == "adaptive_tree":
+            return self._adaptive(m, k, decode.tau, params, starts, caps, branch=True)
+        raise ValueError(f"mode {mode!r} does not draft")
+
+    def _chain(self, m: mx.array, k: int, params, starts, caps) -> Proposal:
+        """K drafts per row, kept on the device (module docstring)."""
+        if all(p.greedy for p in params):
+            drafts = [self._greedy(m[:, 0])]
+            for _ in range(k - 1):
+                mx.async_eval(drafts[-1])
+                m = self._forward(m, drafts[-1][:, None], self.cache)
+                drafts.append(self._greedy(m[:, 0]))
+            mx.async_eval(drafts[-1])  # the device drafts while the caller builds the verify forward
+            return Proposal(mx.stack(drafts, axis=1), uses=caps)
+        drafts, scaled = [], []
+        for depth in range(k):
+            if depth:
+                m = self._forward(m, drafts[-1], self.cache)
+            d, q = draft_choice(self.lm_head(m), params, positions_of(starts, 1) + depth)
+            drafts.append(d)
+            scaled.append(q)
+            mx.async_eval(d)
+        q_scaled = mx.concatenate(scaled, axis=1) if scaled[0] is not None else None  # [R, k, V]
+        return Proposal(mx.concatenate(drafts, axis=1), uses=caps, q_scaled=q_scaled)
+
+    def _top1(self, logits: mx.array, params, positions: list[int]) -> tuple[list[int], list[float]]:
+        """Each row's draft and its (unscaled) probability, one sync."""
+        tokens = choose(logits[:, None], params, mx.array(positions, dtype=mx.int32)[:, None])[:, 0]
+        probs = mx.exp(mx.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - mx.logsumexp(logits, axis=-1))
+        mx.eval(tokens, probs)
+        return tokens.tolist(), probs.tolist()
+
+    def _adaptive(self, m: mx.array, k: int, tau: float, params, starts, caps, branch: bool = False) -> Proposal:
+        """Per row, a chain that stops once the running product of its top-1
+        probabilities falls below ``tau``; with ``branch``, rows whose chain
+        is at least 2 deep add a path from the runner-up at position 1,
+        continued as deep (adaptive_tree)."""
+        rows = len(params)
+        logits = self.lm_head(m[:, 0])
+        cache = self.cache
+        if branch:
+            firsts = ranked_rows(logits, params, starts, 2)  # [R, 2]
+            probs = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)).tolist()
+            chains = [[f[0]] for f in firsts]
+            others = [[f[1]] for f in firsts]
+            cache = [c.take([r for r in range(rows) for _ in (0, 1)]) for c in self.cache]
+            m = mx.repeat(m, 2, axis=0)
+            last = mx.array([t for f in firsts for t in f], dtype=mx.int32)
+        else:
+            first, probs = self._top1(logits, params, starts)
+            chains, others = [[t] for t in first], None
+            last = mx.array(first, dtype=mx.int32)
+        confidence = list(probs)
+        active = [len(c) < min(k, cap) and p >= tau for c, cap, p in zip(chains, caps, confidence)]
+        depth = 1
+        while any(active):
+            m = self._forward(m, last[:, None], cache)
+            logits = self.lm_head(m[:, 0])
+            if branch:  # path A of each row sets the depth; B follows greedily (or by its sampler)
+                pairs = [p for p in params for _ in (0, 1)]
+                spots = [s + depth for s in starts for _ in (0, 1)]
+                tokens, probs = self._top1(logits, pairs, spots)
+                step = [(tokens[2 * b], probs[2 * b], tokens[2 * b + 1]) for b in range(rows)]
+            else:
+                tokens, probs = self._top1(logits, params, [s + depth for s in starts])
+                step = [(t, p, None) for t, p in zip(tokens, probs)]
+            for b, (t, p, other) in enumerate(step):
+                if active[b]:
+                    chains[b].append(t)
+                    confidence[b] *= p
+                    if other is not None:
+                        others[b].append(other)
+                    active[b] = len(chains[b]) < min(k, caps[b]) and confidence[b] >= tau
+            last = mx.array(tokens, dtype=mx.int32)
+            depth += 1
+        width = max(len(c) for c in chains)
+        if not branch:
+            return Proposal(_padded(chains, width), uses=[min(len(c), cap) for c, cap in zip(chains, caps)])
+        paths, owners = [], []
+        for b, (a, o) in enumerate(zip(chains, others)):
+            paths.append(a)
+            owners.append(b)
+            if len(a) >= 2:
+                paths.append(o[: len(a)])
+                owners.append(b)
+        return Proposal(_padded(paths, width), owners=owners,
+                        uses=[min(len(p), caps[o]) for p, o in zip(paths, owners)])
+
+    def _grow(self, m: mx.array, k: int, params, starts, caps, branches, order: list[int] | None = None) -> Proposal:
+        """Paths grown position by position: at each, a path with label
+        (its choice ranks so far) takes the top ``branches(depth, label)``
+        choices; ``order`` reorders each row's paths at the end."""
+        rows = len(params)
+        logits = self.lm_head(m[:, 0])  # [P, V], P paths (one per row to start)
+        labels, owners = [() for _ in range(rows)], list(range(rows))
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        cache, last = self.cache, None
+        for depth in range(k):
+            if depth:
+                m = self._forward(m, last[:, None], cache)
+                logits = self.lm_head(m[:, 0])
+            counts = [branches(depth, label) for label in labels]
+            pos = [starts[o] + depth for o in owners]
+            pparams = [params[o] for o in owners]
+            if max(counts) == 1:
+                chosen = choose(logits[:, None], pparams, mx.array(pos, dtype=mx.int32)[:, None])[:, 0]
+                if depth + 1 < k:
+                    mx.async_eval(chosen)
+                tokens = [t + [(chosen, p)] for p, t in enumerate(tokens)]  # read at the end
+                last = chosen
+                continue
+            ranks = ranked_rows(logits, pparams, pos, max(counts))
+            index, new_labels, new_owners, new_tokens = [], [], [], []
+            for p, n in enumerate(counts):
+                for j in range(n):
+                    index.append(p)
+                    new_labels.append(labels[p] + (j,))
+                    new_owners.append(owners[p])
+                    new_tokens.append(tokens[p] + [ranks[p][j]])
+            if len(index) != len(labels):
+                cache = [c.take(index) for c in cache]
+                m = m[mx.array(index, dtype=mx.int32)]
+            labels, owners, tokens = new_labels, new_owners, new_tokens
+            last = mx.array([t[-1] for t in tokens], dtype=mx.int32)
+        tokens = _resolve(tokens)
+        if order is not None:
+            per_row = len(order)
+            tokens = [tokens[b * per_row + j] for b in range(rows) for j in order]
+            owners = [owners[b * per_row + j] for b in range(rows) for j in order]
+        return Proposal(mx.array(tokens, dtype=mx.int32), owners=owners, uses=[min(k, caps[o]) for o in owners])
+
+    def commit(self, hidden: mx.array, emitted: list[list[int]], winners: list[int]) -> None:
+        """Rewind what drafting wrote; queue row ``b``'s pairs
+        ``(hidden[winners[b], j], emitted[b][j])`` (``hidden``: the verify
+        forward's ``[V, K+1, dim]``)."""
+        if self._base is not None:
+            for c in self.cache:
+                c.rewind(*self._base)
+        if hidden.shape[0] != len(winners) or winners != list(range(len(winners))):
+            hidden = hidden[mx.array(winners, dtype=mx.int32)]
+        self.pending = [_Pending(hidden, [list(e) for e in emitted], [len(e) for e in emitted])]
+
+
+def _padded(paths: list[list[int]], width: int) -> mx.array:
+    """Host token lists, each padded to ``width`` by repeating its last token."""
+    return mx.array([p + [p[-1]] * (width - len(p)) for p in paths], dtype=mx.int32)
+
+
+def _resolve(tokens: list[list]) -> list[list[int]]:
+    """Token lists whose entries may be ``(lazy array, index)``, read in one sync."""
+    arrays = {id(e[0]): e[0] for t in tokens for e in t if isinstance(e, tuple)}
+    mx.eval(list(arrays.values()))
+    values = {k: a.tolist() for k, a in arrays.items()}
+    return [[values[id(e[0])][e[1]] if isinstance(e, tuple) else e for e in t] for t in tokens]
