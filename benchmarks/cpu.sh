@@ -13,10 +13,13 @@
 #   bash benchmarks/cpu.sh sampling   # plain sampling vs both samplers, T=0.7 and 1.0 -> results/cpu-sampling.json
 #   bash benchmarks/cpu.sh quantized  # the shipped model quantized to 4 bits over 48 prompts: plain, single chain,
 #                                     # plain batching and batched chains at B=8/32 (~8 min) -> results/cpu-dataset-quantized.json
+#   bash benchmarks/cpu.sh job        # the job end to end (python -m jobs.bench) over all of examples/prompts.jsonl at
+#                                     # B=32: plain batching, auto, batched chain K=2; greedy, T=0.7 and 1.0 (~20 min)
+#                                     # -> results/cpu-job.json
 set -euo pipefail
 py=${PY:-.venv/bin/python}
 results=benchmarks/results
-case "${1:?bench, lossless, dataset, dataset-full, sampling or quantized}" in
+case "${1:?bench, lossless, dataset, dataset-full, sampling, quantized or job}" in
   bench)
     $py -m mtp_engine.bench --json "$results/cpu-bench.json" ;;
   lossless)
@@ -41,5 +44,8 @@ case "${1:?bench, lossless, dataset, dataset-full, sampling or quantized}" in
     $py -m mtp_engine.bench --model "$q4" --suite dataset --limit 48 --max-tokens 64 --batch-sizes 8 32 --draft-tokens 2 3 \
       --single-k 2 --no-mlx-lm-batch --json "$results/cpu-dataset-quantized.json"
     rm -rf "$(dirname "$q4")" ;;
+  job)
+    $py -m jobs.bench --dataset examples/prompts.jsonl --modes baseline auto chain:2 --rounds 2 --max-tokens 128 \
+      --batch-size 32 --draft-tokens 3 --temperatures 0 0.7 1.0 --json "$results/cpu-job.json" ;;
   *) echo "unknown suite $1" >&2; exit 2 ;;
 esac

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from jobs.config import JOB_MODES, ConfigError, JobConfig, read_config_file
+from jobs.config import ConfigError, JobConfig, read_config_file
 from jobs.distributed import run_distributed_or_local
 from jobs.lock import FolderInUse
 from jobs.merge import merge_outputs
@@ -21,7 +21,7 @@ from jobs.repair import repair_folder
 from jobs.runner import resume_hint
 from jobs.status import print_status
 from mtp_engine import CheckpointError
-from mtp_engine.modes import DRAFTERS, DecodeConfig
+from mtp_engine.modes import DRAFTERS, MODES, DecodeConfig
 from mtp_engine.modes import HELP as DECODE_HELP
 from mtp_engine.sampling import HELP as SAMPLING_HELP
 from mtp_engine.sampling import SAMPLERS, SamplingParams
@@ -49,13 +49,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dataset", help="prompt file (.jsonl .json .csv .parquet .arrow), glob, or save_to_disk folder")
     g.add_argument("--model", help="Qwen3-Next or Qwen3.5 checkpoint folder with its MTP head")
     g.add_argument("--output", help="output folder (created; resumed if it holds this job)")
-    g.add_argument("--mode", choices=JOB_MODES, help="decoding mode, --batch-size rows at once (batched "
-                   "speculation; baseline: plain batching); 'auto' = the mode, K and batch size measured fastest on "
-                   "this backend for the model's weights (default: auto). Every mode writes the same rows")
+    g.add_argument("--mode", choices=MODES, help="decoding mode, --batch-size rows at once; 'baseline' (the "
+                   "default) is plain batching; 'auto' chooses each step's drafts, 0 (plain) to --draft-tokens, from "
+                   "the acceptance and step costs it measures; 'chain' always drafts --draft-tokens. Every mode "
+                   "writes the same rows")
     g.add_argument("--max-tokens", type=int, help="tokens per completion unless a row sets max_tokens (default: 256)")
     g.add_argument("--stop", action="append", help="stop string (repeatable) unless a row sets stop")
     g.add_argument("--batch-size", type=int, help="rows decoded at once; 1 decodes one row at a time (default: "
-                   "the backend's measured best in chain and baseline modes, 1 in the tree modes)")
+                   "32 in the auto, chain and baseline modes, 1 in the tree modes)")
     g.add_argument("--rows-per-shard", type=int, help="rows per committed shard (default: 256)")
     g.add_argument("--commit-seconds", type=float, help="commit finished rows at least this often (default: 300)")
     g.add_argument("--prompt-field", help="field holding the prompt string (default: prompt)")

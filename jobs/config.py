@@ -8,45 +8,17 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from mtp_engine.modes import MODES, DecodeConfig
+from mtp_engine.modes import DecodeConfig
 from mtp_engine.options import EngineOptions
 from mtp_engine.sampling import SamplingParams
 from schemas.arrow import SCHEMA_VERSION
 
-JOB_MODES = MODES + ("auto",)
-CHAIN_MODES = ("chain", "baseline")
-"""Modes whose default batch size is the measured best (`AUTO`); the tree
+BATCHED_MODES = ("auto", "chain", "baseline")
+"""Modes that decode `DEFAULT_BATCH_SIZE` rows at once unless told; the tree
 modes default to one row at a time (each of their rows verifies several
 paths)."""
 
-AUTO = {"cpu": ("chain", 2, 32), "gpu": ("baseline", None, 32)}
-"""What "auto" (the default mode) becomes on each MLX backend for a greedy
-job: (mode, K or None, batch size), the fastest setting measured over a
-dataset of the shipped model (figures: docs/BENCHMARKS.md)."""
-
-AUTO_QUANTIZED_CPU = ("baseline", None, 32)
-"""What "auto" becomes for a greedy job of a quantized checkpoint on the
-CPU: plain batching. MLX's CPU quantized products do the work of every row
-again, so drafts verified in wider forwards do not pay (figures:
-docs/BENCHMARKS.md)."""
-
-AUTO_SAMPLED = ("baseline", None, 32)
-"""What "auto" becomes for a job that samples (temperature above 0) on any
-backend: plain batching, the faster setting measured with the shipped
-model's head (figures: docs/BENCHMARKS.md)."""
-
-AUTO_MODE = {backend: mode for backend, (mode, _, _) in AUTO.items()}
-
-
-def auto_choice(backend: str, quantized: bool, temperature: float) -> tuple[tuple[str, int | None, int], str]:
-    """What "auto" becomes, ``(mode, K or None, batch size)``, and why (for
-    the job's log): sampled jobs, then quantized models on the CPU, then
-    the backend's greedy choice."""
-    if temperature > 0:
-        return AUTO_SAMPLED, "a sampled job"
-    if quantized and backend == "cpu":
-        return AUTO_QUANTIZED_CPU, "quantized weights on the CPU"
-    return AUTO.get(backend, AUTO["cpu"]), f"a greedy job on the {backend}"
+DEFAULT_BATCH_SIZE = 32
 
 SPEED_ONLY = ("mode", "draft_tokens", "paths", "tau", "tree_pos2", "drafter", "batch_size")
 """Decoding settings that change speed, never the tokens (every mode is
@@ -70,14 +42,16 @@ class JobConfig:
         dataset: Prompt file, glob of files, or ``save_to_disk`` folder.
         model: Checkpoint folder.
         output: Output folder (created; resumed when it exists).
-        mode: A decoding mode of the engine or "auto" (the measured best for
-            this machine's backend and the model's weights, see `AUTO`,
-            `AUTO_QUANTIZED_CPU`, `AUTO_SAMPLED`).
+        mode: A decoding mode of the engine (`mtp_engine.modes.MODES`).
+            The default is plain batching ("baseline"), the fastest measured
+            for jobs of the shipped model (docs/BENCHMARKS.md, "Jobs end to
+            end"); "auto" chooses each step's drafts, 0..K, from the
+            acceptance and step costs it measures (`mtp_engine.controller`).
         draft_tokens, paths, tau, tree_pos2, drafter: As `DecodeConfig`.
         max_tokens: Default token budget per row (rows may override).
         stop: Default stop strings (rows may override).
-        batch_size: Rows decoded at once (None: the measured best for the
-            backend in chain and baseline modes, 1 in the tree modes).
+        batch_size: Rows decoded at once (None: `DEFAULT_BATCH_SIZE` in
+            `BATCHED_MODES`, 1 in the tree modes).
         rows_per_shard: Rows per committed shard.
         commit_seconds: Commit a shard at least this often when rows are done.
         prompt_field: Field holding a prompt string.
@@ -106,7 +80,7 @@ class JobConfig:
     dataset: str
     model: str
     output: str
-    mode: str = "auto"
+    mode: str = "baseline"
     draft_tokens: int = DecodeConfig.draft_tokens
     paths: int = DecodeConfig.paths
     tau: float = DecodeConfig.tau
@@ -138,10 +112,8 @@ class JobConfig:
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{name} must be a non-empty string, got {value!r}")
-        if self.mode not in JOB_MODES:
-            raise ConfigError(f"mode must be one of {', '.join(JOB_MODES)}; got {self.mode!r}")
         try:  # the decoding fields, as the engine validates them
-            DecodeConfig(mode="chain" if self.mode == "auto" else self.mode, draft_tokens=self.draft_tokens,
+            DecodeConfig(mode=self.mode, draft_tokens=self.draft_tokens,
                          tau=self.tau, paths=self.paths, tree_pos2=self.tree_pos2, drafter=self.drafter)
         except ValueError as e:
             raise ConfigError(str(e)) from None
@@ -204,19 +176,11 @@ class JobConfig:
             merged["stop"] = tuple(merged["stop"])
         return cls(**merged)
 
-    def resolved(self, backend: str, quantized: bool = False) -> "JobConfig":
-        """The config with "auto" replaced by the mode, K and batch size for
-        ``backend`` and the model (``quantized``: its trunk's linear layers
-        are), and an unset batch size by its default."""
-        config = self
-        if config.mode == "auto":
-            (mode, k, batch), _ = auto_choice(backend, quantized, config.temperature)
-            config = replace(config, mode=mode, draft_tokens=k or config.draft_tokens,
-                             batch_size=config.batch_size or batch)
-        if config.batch_size is None:
-            default = AUTO.get(backend, AUTO["cpu"])[2] if config.mode in CHAIN_MODES else 1
-            config = replace(config, batch_size=default)
-        return config
+    def resolved(self) -> "JobConfig":
+        """The config with an unset batch size replaced by its default."""
+        if self.batch_size is not None:
+            return self
+        return replace(self, batch_size=DEFAULT_BATCH_SIZE if self.mode in BATCHED_MODES else 1)
 
     def decode_config(self) -> DecodeConfig:
         """The engine's decoding settings (of a `resolved` config)."""

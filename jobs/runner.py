@@ -27,7 +27,6 @@ import mlx.core as mx
 from jobs.config import (
     ConfigError,
     JobConfig,
-    auto_choice,
     fingerprint,
     fingerprint_parts,
     model_identity,
@@ -200,10 +199,7 @@ def run_job(
     stream = stream or sys.stderr
     rank, world = ranks.rank, ranks.world
     engine = engine or MTPEngine.load(config.model, options=config.engine_options())
-    backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
-    quantized = engine.quantized  # walks the model's modules: once
-    auto_basis = auto_choice(backend, quantized, config.temperature)[1] if config.mode == "auto" else None
-    config = config.resolved(backend, quantized=quantized)
+    config = config.resolved()
     source = PromptSource(config.dataset)
     total = len(source)
     if config.limit is not None:
@@ -215,7 +211,7 @@ def run_job(
     manifest = build_manifest(config, engine, source, total, world, version)
     try:
         _open_folder(out, config, manifest, ranks)
-        return _run(config, auto_basis, engine, source, total, out, ranks, stream, log, version)
+        return _run(config, engine, source, total, out, ranks, stream, log, version)
     except OSError as e:
         raise OutputError(_os_error_message(e, out)) from None
     finally:
@@ -246,20 +242,26 @@ def _open_folder(out: OutputFolder, config: JobConfig, manifest: dict, ranks: Ra
 
 def _schema_version(config: JobConfig) -> int:
     """The output schema the job writes: the folder's own when it resumes
-    one written by an older release (greedy, one completion per prompt),
-    else the current one.
+    one written by an older release, else the current one.
 
     Raises:
-        ConfigError: The job samples into an older folder.
+        ConfigError: The job samples into a folder of schema 1 (greedy,
+            one completion per prompt).
     """
     old = None if config.overwrite else folder_schema_version(Path(config.output))
     if old is None or old == SCHEMA_VERSION:
         return SCHEMA_VERSION
-    if config.n > 1 or config.temperature > 0:
+    if old == 1 and (config.n > 1 or config.temperature > 0):
         raise ConfigError(f"{config.output} was written by an older release (output schema {old}: no sample or "
                           "seed columns) and cannot hold sampled rows; write this job to a new --output, or "
                           "--overwrite it")
     return old
+
+
+def _describe_decoding(config: JobConfig) -> str:
+    """The mode, its drafts and the batch size, for the job's first line."""
+    drafts = {"baseline": "", "auto": f" (0..{config.draft_tokens} drafts a step, chosen as it runs)"}
+    return f"mode {config.mode}{drafts.get(config.mode, f' K={config.draft_tokens}')} | batch {config.batch_size}"
 
 
 def _os_error_message(e: OSError, out: OutputFolder) -> str:
@@ -278,7 +280,7 @@ def _os_error_message(e: OSError, out: OutputFolder) -> str:
     return f"cannot write to {out.path}: {what}{where}{'; ' + hint if hint else ''}. {kept}"
 
 
-def _run(config, auto_basis, engine, source, total, out, ranks, stream, log, version) -> JobSummary:
+def _run(config, engine, source, total, out, ranks, stream, log, version) -> JobSummary:
     rank, world = ranks.rank, ranks.world
     progress_log = lambda m: progress.log(m)  # noqa: E731  (progress is made below)
     preparer = Preparer(config, engine.tokenizer, engine.context_length, reserved_ids=_raw_ids(source, config),
@@ -293,7 +295,7 @@ def _run(config, auto_basis, engine, source, total, out, ranks, stream, log, ver
     )
     progress.log(
         f"job: {config.dataset} -> {config.output} | model {Path(config.model).name} | "
-        f"mode {config.mode}{f' (auto: {auto_basis})' if auto_basis else ''} | {_describe_sampling(config)} | "
+        f"{_describe_decoding(config)} | {_describe_sampling(config)} | "
         f"{len(out.done)} rows already done"
     )
     if source.empty_reason is not None:

@@ -21,7 +21,10 @@ next prompt joins without stopping the others. Each step:
 
 In mode "baseline" a step is plain decoding, one token per row, pipelined as
 mlx-lm's ``generate_step``: the next forward is dispatched before this
-step's tokens are read back. Every row's tokens equal plain decoding of its
+step's tokens are read back. In mode "auto" the controller
+(`mtp_engine.controller`) chooses before every step how many drafts it
+verifies, 0 making it such a plain step (whose pairs the head consumes at
+the next draft). Every row's tokens equal plain decoding of its
 prompt alone: rows never see each other's entries, and each row's state is
 the one its own inputs give.
 
@@ -41,7 +44,8 @@ import mlx.core as mx
 
 from mtp_engine.cache.batch import BatchKVCache, append_row, filter_rows, make_batch_cache, replace_row, trim_leading
 from mtp_engine.cache.capture import make_main_cache
-from mtp_engine.modes import DecodeConfig
+from mtp_engine.controller import Controller, RowAcceptance
+from mtp_engine.modes import CHAINS, DecodeConfig
 from mtp_engine.sampling import SamplingParams, choose
 from mtp_engine.stopping import Finisher, stop_list
 from mtp_engine.verify import verify
@@ -72,6 +76,7 @@ class _Row:
     sampling: SamplingParams
     trace: list[StepTrace] | None = None
     joined_at: float = field(default_factory=time.perf_counter)
+    acceptance: RowAcceptance | None = None
 
 
 @dataclass
@@ -116,7 +121,10 @@ class Decoder:
         self.caches = make_batch_cache(engine.model)
         self.rows: list[_Row] = []
         self.queue: list[_Queued] = []
+        self.controller = Controller(self.k) if decode.mode == "auto" else None
         self._ahead: mx.array | None = None  # plain steps: each fed row's next token, [R, 1], dispatched
+        self._ahead_hidden: mx.array | None = None  # and the trunk's hiddens that chose it (mode "auto")
+        self._ahead_logits: mx.array | None = None  # and its logits, while a row records a trace
         self._fed: list[bool] = []
         self._plain_steps = 0
 
@@ -133,7 +141,7 @@ class Decoder:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         if not samples or not all(isinstance(p, SamplingParams) for p in samples):
             raise TypeError("samples must be a non-empty list of SamplingParams")
-        if self.k and any(p.sampler == "rejection" and not p.greedy for p in samples) and self.decode.mode != "chain":
+        if self.k and any(p.sampler == "rejection" and not p.greedy for p in samples) and self.decode.mode not in CHAINS:
             raise ValueError(f"the rejection sampler drafts chains; mode {self.decode.mode!r} needs sampler='exact'")
         stops = stop_list(stop)
         engine = self.engine
@@ -162,15 +170,22 @@ class Decoder:
         finished = self._admit()
         if not self.rows:
             return finished
-        done = self._plain_step() if not self.k else self._speculative_step()
+        if not self.k:
+            done = self._plain_step()
+        elif self.controller is None:
+            done = self._speculative_step(self.k)
+        else:
+            rows = self.rows
+            depth = self.controller.choose([r.acceptance for r in rows], [r.finisher.remaining for r in rows])
+            done = self._plain_step() if depth == 0 else self._flush() or self._speculative_step(depth)
         if done:
             finished += [(self.rows[b].key, self._result(self.rows[b])) for b in done]
             finished += self._refill(done)
         return finished
 
-    def _speculative_step(self) -> list[int]:
+    def _speculative_step(self, k: int) -> list[int]:
         rows = self.rows
-        depth = min(self.k, max(r.finisher.remaining for r in rows) - 1)
+        depth = min(k, max(r.finisher.remaining for r in rows) - 1)
         params = [r.sampling for r in rows]
         starts = [len(r.finisher.tokens) for r in rows]  # the generated position verify column 0 predicts
         caps = [max(0, min(depth, r.finisher.remaining - 1)) for r in rows]
@@ -201,6 +216,8 @@ class Decoder:
             s.rescued += mine.index(w) > 0
             s.draft_s += t1 - t0
             s.verify_s += t2 - t1
+            if s.depths:
+                s.depths[len(v.paths[w])] += 1
             if row.trace is not None:
                 row.trace.append(StepTrace([v.paths[i] for i in mine], v.accepted[w], mine.index(w), tokens,
                                            top_logits(v.logits[w, : len(tokens)])))
@@ -211,33 +228,70 @@ class Decoder:
         if proposal is not None:
             self.drafter.commit(v.hidden, v.emitted, v.winners)
             self.hooks.lap("head_commit")
+        if self.controller is not None and proposal is not None:
+            self.controller.observe_rows([r.acceptance for r in rows], [len(v.paths[w]) for w in v.winners],
+                                         [v.accepted[w] for w in v.winners])
+            self.controller.observe_step(len(rows), depth + 1, time.perf_counter() - t0)
         return done
 
     def _plain_step(self) -> list[int]:
         """One plain forward for every row, dispatched before the last
         step's tokens are read (each fed row's ``_ahead`` token)."""
         rows = self.rows
+        t0 = time.perf_counter()
+        pipelined = self._ahead is not None
         host = mx.array([[r.x] for r in rows], dtype=mx.int32)
         xs = host if self._ahead is None else mx.where(mx.array(self._fed)[:, None], self._ahead, host)
         positions = mx.array([[len(r.finisher.tokens) + fed] for r, fed in zip(rows, self._fed)], dtype=mx.int32)
-        logits = self.engine.model(xs, cache=self.caches)[:, -1:, :]
+        if self.controller is None:
+            hidden, logits = None, self.engine.model(xs, cache=self.caches)[:, -1:, :]
+        else:  # the head consumes the pairs (hidden, token) at its next draft
+            hidden = self.engine.model.model(xs, cache=self.caches)
+            logits = self.engine.lm_head(hidden)
         ahead = choose(logits, [r.sampling for r in rows], positions)  # [R, 1]
         mx.async_eval(ahead)
         self.hooks.lap("verify", ahead)
-        done = []
-        if self._ahead is not None and any(self._fed):
-            tokens = self._ahead.tolist()
-            for b, row in enumerate(rows):
-                if self._fed[b]:
-                    row.stats.steps += 1
-                    row.finisher.add(tokens[b])
-                    row.x = tokens[b][0]
-                    if row.finisher.done:
-                        done.append(b)
-        self._ahead, self._fed = ahead, [True] * len(rows)
+        done = self._read_ahead()
+        self._ahead, self._ahead_hidden, self._fed = ahead, hidden, [True] * len(rows)
+        self._ahead_logits = logits if any(r.trace is not None for r in rows) else None
         self._plain_steps += 1
         if self._plain_steps % 256 == 0:
             mx.clear_cache()
+        if self.controller is not None and pipelined:  # a step's time, once the pipeline is full
+            self.controller.observe_step(len(rows), 1, time.perf_counter() - t0)
+        return done
+
+    def _read_ahead(self) -> list[int]:
+        """Emit the tokens of the dispatched plain step; return the rows
+        that finished."""
+        rows = self.rows
+        if self._ahead is None or not any(self._fed):
+            return []
+        done = []
+        tokens = self._ahead.tolist()
+        for b, row in enumerate(rows):
+            if self._fed[b]:
+                s = row.stats
+                s.steps += 1
+                if s.depths:  # mode auto: a step of no drafts
+                    s.depths[0] += 1
+                    s.histogram[0] += 1
+                    s.row_wins[0] += 1
+                if row.trace is not None and self._ahead_logits is not None:
+                    row.trace.append(StepTrace([[]], 0, 0, tokens[b], top_logits(self._ahead_logits[b])))
+                row.finisher.add(tokens[b])
+                row.x = tokens[b][0]
+                if row.finisher.done:
+                    done.append(b)
+        if self._ahead_hidden is not None:
+            self.drafter.extend(self._ahead_hidden, [tokens[b] if fed else [] for b, fed in enumerate(self._fed)])
+        return done
+
+    def _flush(self) -> list[int]:
+        """Before a speculative step: emit the dispatched plain step's
+        tokens (each row's last token is then unfed again)."""
+        done = self._read_ahead()
+        self._ahead, self._ahead_hidden, self._ahead_logits, self._fed = None, None, None, [False] * len(self.rows)
         return done
 
     # -- rows joining and leaving ---------------------------------------------
@@ -306,9 +360,11 @@ class Decoder:
                                     seed=None if params.greedy else params.seed, prefill_s=prefill_s,
                                     **decode.stats_params())
             stats.histogram = [0] * (self.k + 1) if self.k else []
+            stats.depths = [0] * (self.k + 1) if self.controller is not None else []
             stats.row_wins = [0] * decode.max_paths if self.k else []
             finisher = Finisher(engine.tokenizer, engine.eos_token_ids, q.max_tokens, q.stop)
-            row = _Row(key, q.prompt, finisher, stats, x, params, [] if q.trace else None)
+            row = _Row(key, q.prompt, finisher, stats, x, params, [] if q.trace else None,
+                       acceptance=RowAcceptance.empty(self.k) if self.controller is not None else None)
             finisher.add([x])
             if finisher.done:
                 finished.append((key, self._result(row)))
@@ -325,6 +381,10 @@ class Decoder:
                 self._fed.append(False)
                 if self._ahead is not None:  # a place in the dispatched tokens, unread (not fed)
                     self._ahead = mx.concatenate([self._ahead, mx.zeros((1, 1), dtype=self._ahead.dtype)])
+                if self._ahead_hidden is not None:
+                    self._ahead_hidden = mx.concatenate([self._ahead_hidden, self._ahead_hidden[:1]])
+                if self._ahead_logits is not None:
+                    self._ahead_logits = mx.concatenate([self._ahead_logits, self._ahead_logits[:1]])
             self.hooks.lap("join", states=self.caches)
             if self.drafter is not None:
                 self.drafter.add_row(slot, hidden, q.prompt[1:] + [x], key)
@@ -337,6 +397,10 @@ class Decoder:
             self.drafter.filter(rows)
         if self._ahead is not None:
             self._ahead = self._ahead[mx.array(rows, dtype=mx.int32)] if rows else None
+        if self._ahead_hidden is not None:
+            self._ahead_hidden = self._ahead_hidden[mx.array(rows, dtype=mx.int32)] if rows else None
+        if self._ahead_logits is not None:
+            self._ahead_logits = self._ahead_logits[mx.array(rows, dtype=mx.int32)] if rows else None
         self._fed = [self._fed[r] for r in rows]
         self.rows = [self.rows[r] for r in rows]
 

@@ -17,7 +17,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from mtp_engine.decoder import Decoder
 from mtp_engine.drafters.select import DrafterParts, build_drafters, make_drafter, pick
@@ -99,13 +98,6 @@ class MTPEngine:
         if self.text.args.tie_word_embeddings:
             return self.text.model.embed_tokens.as_linear(hidden)
         return self.text.lm_head(hidden)
-
-    @property
-    def quantized(self) -> bool:
-        """Whether the trunk's linear layers are quantized (an ``mlx_lm.convert
-        -q`` folder): on MLX's CPU backend their products cost every row
-        again, so wider forwards do not come cheap (docs/BENCHMARKS.md)."""
-        return any(isinstance(m, nn.QuantizedLinear) for _, m in self.text.named_modules())
 
     @property
     def eos_token_ids(self) -> set[int]:

@@ -1,7 +1,9 @@
 """Decoding modes and their parameters (`DecodeConfig`).
 
 Each speculative mode is a drafting strategy (`mtp_engine.drafters.head`):
-``chain`` K greedy (or sampled) drafts; ``adaptive`` a chain that stops once
+``auto`` chains of 0..K drafts, the depth chosen before every step from the
+measured acceptance and step costs (`mtp_engine.controller`); ``chain`` K
+greedy (or sampled) drafts; ``adaptive`` a chain that stops once
 the running product of its top-1 probabilities falls below ``tau``;
 ``tree`` chain A plus branches from the runner-up at draft positions 1 and 2;
 ``adaptive_tree`` an adaptive chain plus a position-1 branch; ``paths`` the
@@ -15,8 +17,11 @@ from dataclasses import dataclass, fields
 
 from mtp_engine.options import MAX_DRAFT_TOKENS
 
-MODES = ("baseline", "chain", "adaptive", "tree", "adaptive_tree", "paths")
+MODES = ("baseline", "auto", "chain", "adaptive", "tree", "adaptive_tree", "paths")
 SPECULATIVE_MODES = MODES[1:]
+CHAINS = ("auto", "chain")
+"""Modes that draft one chain per row ("auto": chains whose depth
+`mtp_engine.controller` chooses before every step)."""
 DRAFTERS = ("auto", "mlx", "mlx-eager", "cpp", "cuda")
 """Who may draft (`DecodeConfig.drafter`)."""
 
@@ -31,7 +36,8 @@ class DecodeConfig:
 
     Attributes:
         mode: One of `MODES`.
-        draft_tokens: K, draft depth (the maximum depth for adaptive modes).
+        draft_tokens: K, draft depth (the maximum depth for the auto and
+            adaptive modes).
         tau: Confidence threshold of the adaptive modes, in (0, 1].
         paths: P, candidate first tokens of ``paths`` mode.
         tree_pos2: Whether ``tree`` mode adds the position-2 branch.
@@ -86,7 +92,7 @@ FIELDS = tuple(f.name for f in fields(DecodeConfig))
 """The keyword names of `DecodeConfig`."""
 
 HELP = {
-    "draft_tokens": "K: draft depth (the most drafts a step, in the adaptive modes)",
+    "draft_tokens": "K: draft depth (the most drafts a step, in the auto and adaptive modes)",
     "tau": "confidence threshold of the adaptive modes, in (0, 1]",
     "paths": "P: candidate first tokens in 'paths' mode",
     "tree_pos2": "'tree' mode adds the branch at draft position 2",

@@ -3,12 +3,13 @@
 One row per completion: the completion, or an error row with
 ``finish_reason`` "error" and ``error`` set to ``"<kind>: <message>"``.
 ``acceptance`` holds the speculative-decoding statistics (null for error
-rows; only ``mode`` and the timings are set in batch mode). Version 2 adds
+rows). Version 3 adds ``acceptance.depths`` (mode "auto": steps by the
+number of drafts the controller chose, `GenerationStats.depths`). Version 2 adds
 ``sample`` (0..n-1, the completion's index among its prompt's), ``n``
 (how many completions the prompt gets; 1 for a row that cannot be
 generated, whose single error row is sample 0), ``seed``
 (null for greedy rows) and ``chat`` (whether the prompt was rendered from
-chat messages); folders written with version 1 keep it when they resume
+chat messages); folders written with an older version keep it when they resume
 (`completion_schema`).
 """
 
@@ -19,8 +20,8 @@ import pyarrow as pa
 
 from schemas.records import GenerationResult
 
-SCHEMA_VERSION = 2
-SCHEMA_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+SCHEMA_VERSIONS = (1, 2, 3)
 
 ACCEPTANCE_TYPE = pa.struct(
     [
@@ -38,6 +39,7 @@ ACCEPTANCE_TYPE = pa.struct(
         pa.field("decode_s", pa.float64()),
     ]
 )
+ACCEPTANCE_TYPE_V3 = pa.struct(list(ACCEPTANCE_TYPE) + [pa.field("depths", pa.list_(pa.int32()))])
 
 _FIELDS_V1 = [
     pa.field("id", pa.string(), nullable=False),
@@ -61,6 +63,8 @@ def completion_schema(version: int = SCHEMA_VERSION) -> pa.Schema:
     if version not in SCHEMA_VERSIONS:
         raise ValueError(f"unknown output schema version {version!r}; this release reads {SCHEMA_VERSIONS}")
     fields = _FIELDS_V1 if version == 1 else _FIELDS_V2
+    if version >= 3:
+        fields = [pa.field("acceptance", ACCEPTANCE_TYPE_V3) if f.name == "acceptance" else f for f in fields]
     return pa.schema(fields, metadata={"mtp_batch_schema_version": str(version)})
 
 
@@ -85,6 +89,7 @@ def completion_row(
         "rescued": s.rescued,
         "prefill_s": s.prefill_s,
         "decode_s": s.decode_s,
+        "depths": s.depths,
     }
     return {
         "id": id,

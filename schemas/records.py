@@ -28,6 +28,8 @@ class GenerationStats:
         histogram: ``histogram[n]`` counts steps that accepted n drafts.
         rescued: Steps won by a row other than the first (tree modes).
         row_wins: ``row_wins[r]`` counts steps won by row r (tree modes).
+        depths: Mode "auto": ``depths[d]`` counts steps in which the row
+            verified ``d`` drafts (0: plain steps), as the controller chose.
         prompt_tokens: Length of the prompt in tokens.
         generated_tokens: Tokens returned to the caller.
         prefill_s: Seconds spent on the prompt (first token included).
@@ -48,6 +50,7 @@ class GenerationStats:
     histogram: list[int] = field(default_factory=list)
     rescued: int = 0
     row_wins: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     generated_tokens: int = 0
     prefill_s: float = 0.0

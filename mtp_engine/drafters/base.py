@@ -58,6 +58,10 @@ class Drafter(Protocol):
     def filter(self, rows: list[int]) -> None:
         """Keep only these rows, in this order."""
 
+    def extend(self, hidden: mx.array, tokens: list[list[int]]) -> None:
+        """Queue more pairs after a plain step (mode "auto"): row ``b``'s
+        ``(hidden[b, j], tokens[b][j])`` after its pending ones."""
+
     def propose(self, decode, k: int, params: list, starts: list[int], caps: list[int]) -> Proposal:
         """Drafts for one verify forward (``k`` deep at most, row ``b`` using
         at most ``caps[b]``, its choices at generated positions ``starts[b]..``)."""

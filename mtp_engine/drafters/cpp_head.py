@@ -72,18 +72,21 @@ class CppRow:
     """One row's C++ head session and the pairs it has not consumed."""
 
     session: object
-    pending_hidden: mx.array | None = None
-    pending_row: int = 0
-    pending_tokens: list[int] = field(default_factory=list)
+    pending: list[tuple[mx.array, int, list[int]]] = field(default_factory=list)  # (hiddens, their row, tokens)
     base: int = 0
 
     def take_pending(self) -> tuple[mx.array, int, list[int]]:
-        """The pending pairs (consumed by the next draft)."""
-        hidden, row, tokens = self.pending_hidden, self.pending_row, self.pending_tokens
-        if hidden is None or not tokens:
+        """The pending pairs (consumed by the next draft): ``(hiddens, row,
+        tokens)``, token ``j`` paired with ``hiddens[row, j]``."""
+        if not self.pending:
             raise RuntimeError("drafting needs pending pairs (add_row/commit)")
+        if len(self.pending) == 1:
+            hidden, row, tokens = self.pending[0]
+        else:  # plain steps added pairs: one row of all of them
+            hidden = mx.concatenate([h[r : r + 1, : len(t)] for h, r, t in self.pending], axis=1)
+            row, tokens = 0, [x for _, _, t in self.pending for x in t]
         self.base += len(tokens)
-        self.pending_hidden, self.pending_tokens = None, []
+        self.pending = []
         return hidden, row, tokens
 
 
@@ -92,7 +95,7 @@ class CppDrafter:
     `mtp_engine.drafters.base.Drafter` interface; greedy only)."""
 
     name = "cpp"
-    modes = frozenset({"chain", "adaptive"})
+    modes = frozenset({"auto", "chain", "adaptive"})
 
     def __init__(self, head):
         self.head = head
@@ -107,7 +110,7 @@ class CppDrafter:
         ``prompt_hidden`` in its first draft."""
         if prompt_hidden.shape[1] < len(pairs):
             raise ValueError(f"{prompt_hidden.shape[1]} hiddens for {len(pairs)} tokens")
-        row = CppRow(self.head.session(), prompt_hidden, 0, list(pairs))
+        row = CppRow(self.head.session(), [(prompt_hidden, 0, list(pairs))])
         if slot is None:
             self.states.append(row)
         else:
@@ -115,6 +118,13 @@ class CppDrafter:
 
     def filter(self, rows: list[int]) -> None:
         self.states = [self.states[r] for r in rows]
+
+    def extend(self, hidden: mx.array, tokens: list[list[int]]) -> None:
+        """Queue more pairs after a plain step: row ``b``'s
+        ``(hidden[b, j], tokens[b][j])`` after its pending ones."""
+        for b, (state, t) in enumerate(zip(self.states, tokens)):
+            if t:
+                state.pending.append((hidden, b, list(t)))
 
     def propose(self, decode, k: int, params, starts, caps) -> Proposal:
         """Greedy chains of ``k`` drafts for every row together (each
@@ -155,4 +165,4 @@ class CppDrafter:
         """Drop the drafted cache entries and queue each row's accepted pairs."""
         for state, tokens, row in zip(self.states, emitted, winners):
             state.session.rewind(state.base)
-            state.pending_hidden, state.pending_row, state.pending_tokens = hidden, row, list(tokens)
+            state.pending = [(hidden, row, list(tokens))]

@@ -19,6 +19,7 @@ from mtp_engine.kernels.cuda_chain import (
     availability,
 )
 from mtp_engine.model.mtp_head import MTPHead
+from mtp_engine.modes import CHAINS
 
 
 def kernel_weights(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> tuple[list[mx.array], dict]:
@@ -89,7 +90,7 @@ class CudaChainDrafter(HeadDrafter):
     def propose(self, decode, k: int, params, starts, caps) -> Proposal:
         """K greedy drafts of the one row, ``[1, k]`` int32, from one kernel
         launch (its evaluation starts at once; not read back)."""
-        if self.rows != 1 or decode.mode != "chain" or not params[0].greedy or not 1 <= k <= MAX_DRAFTS:
+        if self.rows != 1 or decode.mode not in CHAINS or not params[0].greedy or not 1 <= k <= MAX_DRAFTS:
             return super().propose(decode, k, params, starts, caps)
         hidden, tokens, _ = self._gather_pending()
         tokens = tokens[0]

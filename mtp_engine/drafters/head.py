@@ -35,7 +35,7 @@ from mtp_engine.cache.batch import BatchKVCache
 from mtp_engine.drafters.base import Proposal
 from mtp_engine.drafters.compiled_head import CompiledHead
 from mtp_engine.model.mtp_head import MTPHead
-from mtp_engine.modes import SPECULATIVE_MODES, DecodeConfig
+from mtp_engine.modes import CHAINS, SPECULATIVE_MODES, DecodeConfig
 from mtp_engine.options import MAX_VERIFY_WIDTH
 from mtp_engine.sampling import SamplingParams, choose, draft_choice, ranked_rows
 from mtp_engine.verify import positions_of
@@ -75,6 +75,7 @@ class HeadDrafter:
         self._greedy = mx.compile(lambda m: mx.argmax(lm_head(m), axis=-1).astype(mx.int32))
         self.cache = [BatchKVCache() for _ in head.layers]
         self.pending: list[_Pending] = []
+        self._more: list[tuple[mx.array, list[list[int]]]] = []  # plain steps' pairs, not merged yet
         self._base: tuple[int, list[int]] | None = None
 
     @property
@@ -87,6 +88,7 @@ class HeadDrafter:
         """A joining row (at the end, or in place of row ``slot``, one that
         left): the head consumes its prompt's pairs ``(prompt_hidden[0, j],
         tokens[j])`` but the last, which stays pending."""
+        self._merge()
         own = [BatchKVCache(1) for _ in self.head.layers]
         n = len(tokens) - 1
         ids = mx.array(tokens[:-1])[None]
@@ -115,8 +117,29 @@ class HeadDrafter:
         index = mx.array(rows, dtype=mx.int32)
         self.pending = [_Pending(hidden[index], [tokens[r] for r in rows], [counts[r] for r in rows])] if rows else []
 
+    def extend(self, hidden: mx.array, tokens: list[list[int]]) -> None:
+        """Queue more pairs after a plain step: row ``b``'s ``(hidden[b, 0],
+        tokens[b][0])`` (if any) after its pending ones. Kept apart until
+        the pending pairs are next read (`_merge`)."""
+        self._more.append((hidden[:, :1], [t[:1] for t in tokens]))
+
+    def _merge(self) -> None:
+        """Fold the plain steps' pairs into the pending block (one gather)."""
+        if not self._more:
+            return
+        more, self._more = self._more, []
+        old, pending, counts = self._gather_pending()
+        width = old.shape[1]
+        picks = [[width + i for i, (_, t) in enumerate(more) if t[r]] for r in range(len(counts))]
+        total = [c + len(p) for c, p in zip(counts, picks)]
+        index = [list(range(c)) + p + [0] * (max(total) - n) for c, p, n in zip(counts, picks, total)]
+        both = mx.concatenate([old] + [h.astype(old.dtype) for h, _ in more], axis=1)
+        self.pending = [_Pending(mx.take_along_axis(both, mx.array(index, dtype=mx.int32)[..., None], axis=1),
+                                 [p + [x for _, t in more for x in t[r]] for r, p in enumerate(pending)], total)]
+
     def _gather_pending(self) -> tuple[mx.array, list[list[int]], list[int]]:
         """All rows' pending pairs as one right-padded block."""
+        self._merge()
         width = max(max(p.counts) for p in self.pending)
         blocks = []
         for p in self.pending:
@@ -161,7 +184,7 @@ class HeadDrafter:
             raise ValueError(f"a draft needs k >= 1 tokens, got {k}")
         m = self._consume()
         mode = decode.mode
-        if mode == "chain" or (mode == "paths" and decode.paths == 1):
+        if mode in CHAINS or (mode == "paths" and decode.paths == 1):
             return self._chain(m, k, params, starts, caps)
         if mode == "adaptive":
             return self._adaptive(m, k, decode.tau, params, starts, caps)

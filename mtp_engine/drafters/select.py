@@ -17,7 +17,7 @@ from mtp_engine.drafters.compiled_head import CompiledHead, can_compile_head
 from mtp_engine.drafters.cpp_head import CppDrafter, build_cpp_head
 from mtp_engine.drafters.head import HeadDrafter
 from mtp_engine.model.install import decide
-from mtp_engine.modes import DRAFTERS
+from mtp_engine.modes import CHAINS, DRAFTERS
 from mtp_engine.options import EngineOptions, FastPathStatus
 
 
@@ -89,7 +89,7 @@ def pick(parts: DrafterParts, mode: str, choice: str = "auto", greedy: bool = Tr
     if not greedy and choice in ("cpp", "cuda"):
         raise ValueError(f"the {choice} drafter drafts greedily; sampling drafts with the MLX head (drafter='mlx')")
     cpp_ok = parts.cpp is not None and mode in CppDrafter.modes and greedy
-    cuda_ok = parts.kernel is not None and mode == "chain" and greedy
+    cuda_ok = parts.kernel is not None and mode in CHAINS and greedy
     if choice == "auto":
         return "cpp" if cpp_ok else "cuda" if cuda_ok else "mlx" if parts.compiled is not None else "mlx-eager"
     if choice == "cpp" and not cpp_ok:

@@ -63,6 +63,9 @@ MODE_SPECS = {
     "chain-k3": dict(mode="chain", draft_tokens=3),
     "chain-k4": dict(mode="chain", draft_tokens=4),
     "chain-k6": dict(mode="chain", draft_tokens=6),
+    # The controller: 0..K drafts a step, as it measures (mtp_engine.controller).
+    "auto-k3": dict(mode="auto", draft_tokens=3),
+    "auto-k4": dict(mode="auto", draft_tokens=4),
     # The same chains drafted by the MLX head, where the C++ head (CPU) or the
     # chain kernel (CUDA) is the default.
     "chain-k4-mlxdraft": dict(mode="chain", draft_tokens=4, drafter="mlx"),
@@ -85,7 +88,7 @@ MODE_SPECS = {
 }
 
 OPTIONAL_MODES = (
-    "chain-k4-eagerhead", "chain-k6-eagerhead", "chain-k8", "chain-k8-mlxdraft", "chain-k10", "chain-k12", "chain-k15",
+    "auto-k4", "chain-k4-eagerhead", "chain-k6-eagerhead", "chain-k8", "chain-k8-mlxdraft", "chain-k10", "chain-k12", "chain-k15",
 )
 """Specs only ``--modes`` asks for."""
 DEFAULT_MODES = tuple(n for n in MODE_SPECS if n not in OPTIONAL_MODES)
@@ -512,6 +515,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sampling-k", type=int, nargs="+", default=[2, 3, 4], help="sampling suite: chain K")
     parser.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3, 4],
                         help="dataset suite: K of batched speculation")
+    parser.add_argument("--auto-k", type=int, nargs="*", default=[3],
+                        help="dataset suite: mode auto at each batch size, at most this many drafts a step")
     parser.add_argument("--single-k", type=int, nargs="+", default=[4],
                         help="dataset suite: K of the single-sequence chain (one run each)")
     parser.add_argument("--single-rounds", type=int, default=0,

@@ -122,11 +122,13 @@ def _projections(engine, n: int, references, profile, first_seed: int = 0) -> li
 
 
 def decode_prompts(engine, prompts, max_tokens: int | list[int], batch_size: int, k: int, projections=None,
-                   hooks=None) -> tuple[list, int]:
-    """The prompts through one `Decoder` (k = 0: plain decoding), drafts
-    projected where ``projections`` (one per prompt, or None) say; returns
-    the results in order and the decoder's steps."""
-    decode = DecodeConfig(mode="chain" if k else "baseline", draft_tokens=k or 1, batch_size=batch_size)
+                   hooks=None, auto: bool = False) -> tuple[list, int]:
+    """The prompts through one `Decoder` (k = 0: plain decoding; ``auto``:
+    mode "auto", at most k drafts a step), drafts projected where
+    ``projections`` (one per prompt, or None) say; returns the results in
+    order and the decoder's steps."""
+    mode = "auto" if auto else "chain" if k else "baseline"
+    decode = DecodeConfig(mode=mode, draft_tokens=k or 1, batch_size=batch_size)
     drafter = None
     if k and projections is not None and any(p is not None for p in projections):
         inner = engine.make_drafter(engine.pick_drafter("chain"))
@@ -142,19 +144,19 @@ def decode_prompts(engine, prompts, max_tokens: int | list[int], batch_size: int
 
 
 def run_batched(engine, prompts, max_tokens: int | list[int], batch_size, k, references=None, profile=None,
-                phases: bool = False, first_seed: int = 0) -> Run:
+                phases: bool = False, first_seed: int = 0, auto: bool = False) -> Run:
     """The prompt set through the `Decoder` (k = 0: plain batching);
     ``max_tokens`` for every prompt or one per prompt; ``phases``: time
     each phase of the decoder (`mtp_engine.tools.phases.PHASES`),
     synchronizing after each; with a profile, prompt ``i`` draws its
     acceptances with seed ``first_seed + i``."""
     timer = PhaseTimer() if phases else None
-    run = Run("batched chain" if k else "plain batching", batch_size, k,
+    run = Run("batched auto" if auto else "batched chain" if k else "plain batching", batch_size, k,
               phase_seconds=timer.seconds if timer else None)
     projections = _projections(engine, len(prompts), references if k else None, profile, first_seed)
     mx.reset_peak_memory()
     t = time.perf_counter()
-    results, run.batch_steps = decode_prompts(engine, prompts, max_tokens, batch_size, k, projections, timer)
+    results, run.batch_steps = decode_prompts(engine, prompts, max_tokens, batch_size, k, projections, timer, auto)
     run.seconds = time.perf_counter() - t
     run.peak_memory = mx.get_peak_memory()
     _collect(run, results)
@@ -396,21 +398,22 @@ def dataset_suite(engine, prompts, args, log) -> dict:
         # side by side; with rounds, each round starts one mode later, and
         # draws acceptances of its own, so a drifting host speed falls on
         # every mode alike
-        modes = [0, *args.draft_tokens]
+        modes = [(k, False) for k in [0, *args.draft_tokens]] + [(k, True) for k in getattr(args, "auto_k", [])]
         timed = {}
         for rnd in range(batch_rounds):
-            for k in rotated(modes, rnd):
-                if rnd == 0 and first_batch is not None and b == args.batch_sizes[0] and k == 0:
+            for mode in rotated(modes, rnd):
+                k, auto = mode
+                if rnd == 0 and first_batch is not None and b == args.batch_sizes[0] and mode == (0, False):
                     run = first_batch
                 else:
                     run = run_batched(engine, prompts, args.max_tokens, b, k, references, parsed, phases,
-                                      rnd * len(prompts))
-                log(f"  B={b} {'K=' + str(k) if k else 'plain'}"
+                                      rnd * len(prompts), auto)
+                log(f"  B={b} {('auto K<=' if auto else 'K=') + str(k) if k else 'plain'}"
                     f"{f', round {rnd + 1}' if batch_rounds > 1 else ''}: {_progress(run)}")
-                if k in timed:
-                    _absorb(timed[k], run)
+                if mode in timed:
+                    _absorb(timed[mode], run)
                 else:
-                    timed[k] = run
+                    timed[mode] = run
         runs += [timed[mode] for mode in modes]
         costs[b] = step_costs(engine, prompts, b, args.draft_tokens)
     for r in runs:

@@ -112,5 +112,8 @@ class ProjectingDrafter:
                 for key, start in zip(self.keys, starts)]
         return replace(proposal, tokens=project_rows(proposal.tokens, rows))
 
+    def extend(self, hidden, tokens) -> None:
+        self.inner.extend(hidden, tokens)
+
     def commit(self, hidden, emitted, winners) -> None:
         self.inner.commit(hidden, emitted, winners)

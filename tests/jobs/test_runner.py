@@ -8,22 +8,13 @@ import json
 import shutil
 
 import datasets
-import mlx.core as mx
 import pyarrow as pa
 import pytest
 
-from jobs.config import (
-    AUTO,
-    AUTO_MODE,
-    AUTO_QUANTIZED_CPU,
-    AUTO_SAMPLED,
-    ConfigError,
-    JobConfig,
-)
+from jobs.config import DEFAULT_BATCH_SIZE, ConfigError, JobConfig
 from jobs.output import FingerprintMismatch, OutputError
 from jobs.runner import run_job
 from mtp_engine import MTPEngine
-from mtp_engine.io.convert import main as convert_main
 from tests.jobs.conftest import PROMPT_TEXTS, job_config, prompt_rows, write_jsonl
 
 
@@ -295,7 +286,7 @@ def test_bad_dataset_path_fails_the_job(tmp_path, job_model, job_engine):
 
 def test_config_values_are_validated():
     for bad, match in [
-        (dict(mode="fast"), "mode must be one of"),
+        (dict(mode="fast"), "unknown mode 'fast'; choose one of baseline, auto, chain"),
         (dict(draft_tokens=0), "draft_tokens must be an int in 1..16, got 0"),
         (dict(tau=2.0), "tau must be in"),
         (dict(rows_per_shard=-1), "rows_per_shard"),
@@ -305,47 +296,26 @@ def test_config_values_are_validated():
             JobConfig(dataset="d", model="m", output="o", **bad)
 
 
-def test_auto_mode_follows_the_backend(tmp_path, job_model, job_engine):
-    dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(3))
-    run_job(job_config(dataset, job_model, tmp_path / "out", mode="auto"), engine=job_engine)
-    rows = load_rows(tmp_path / "out")
-    assert {r["acceptance"]["mode"] for r in rows.values()} == {AUTO_MODE["cpu"]}
-    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    assert manifest["config"]["mode"] == AUTO_MODE["cpu"]  # fingerprinted as resolved
-
-
-def test_auto_mode_of_a_sampled_job_is_plain_batching():
-    greedy = JobConfig(dataset="d", model="m", output="o").resolved("cpu")
-    sampled = JobConfig(dataset="d", model="m", output="o", temperature=0.7).resolved("cpu")
-    assert (greedy.mode, greedy.batch_size) == (AUTO["cpu"][0], AUTO["cpu"][2])
-    assert (sampled.mode, sampled.batch_size) == ("baseline", AUTO_SAMPLED[2])
-    assert JobConfig(dataset="d", model="m", output="o", temperature=0.7, batch_size=8).resolved("cpu").batch_size == 8
-
-
-def test_auto_mode_of_a_quantized_model_on_the_cpu_is_plain_batching(tmp_path, job_model, job_engine):
-    """MLX's CPU quantized products cost every row again, so wider verify
-    forwards do not pay there; a float model keeps batched chains."""
-    greedy = JobConfig(dataset="d", model="m", output="o")
-    assert greedy.resolved("cpu", quantized=True).mode == AUTO_QUANTIZED_CPU[0] == "baseline"
-    assert greedy.resolved("cpu", quantized=False).mode == AUTO["cpu"][0] == "chain"
-    assert greedy.resolved("gpu", quantized=True).mode == AUTO["gpu"][0]
-    assert JobConfig(dataset="d", model="m", output="o", mode="chain").resolved("cpu", quantized=True).mode == "chain"
-
-    quantized = tmp_path / "q4"
-    assert convert_main(["--hf-path", str(job_model), "--mlx-path", str(quantized), "-q", "--q-group-size", "32"]) == 0
-    engine = MTPEngine.load(quantized)
-    assert engine.quantized and not job_engine.quantized
-    dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(3))
+def test_auto_mode_writes_plain_decodings_rows_and_the_depths_it_chose(tmp_path, job_model, job_engine):
+    """Mode auto chooses each step's drafts as it runs (the job's log says
+    so); the rows equal plain batching's (the default) and record the
+    depths chosen."""
+    assert JobConfig.mode == "baseline"
+    dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(5))
+    config = job_config(dataset, job_model, tmp_path / "auto", mode="auto", max_tokens=24)
+    assert config.resolved().batch_size == DEFAULT_BATCH_SIZE
     log = io.StringIO()
-    run_job(job_config(dataset, quantized, tmp_path / "out", mode="auto"), engine=engine, stream=log)
-    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    backend = "cpu" if mx.default_device() == mx.cpu else "gpu"
-    expected = AUTO_QUANTIZED_CPU if backend == "cpu" else AUTO[backend]
-    assert (manifest["config"]["mode"], manifest["config"]["batch_size"]) == (expected[0], expected[2])
-    why = "quantized weights on the CPU" if backend == "cpu" else "a greedy job on the gpu"
-    assert f"mode {expected[0]} (auto: {why}) |" in log.getvalue()
-    rows = load_rows(tmp_path / "out")
-    assert len(rows) == 3 and {r["acceptance"]["mode"] for r in rows.values()} == {expected[0]}
+    run_job(config, engine=job_engine, stream=log)
+    assert "mode auto (0..3 drafts a step, chosen as it runs) | batch 32 |" in log.getvalue()
+    run_job(job_config(dataset, job_model, tmp_path / "plain", mode=JobConfig.mode, max_tokens=24), engine=job_engine)
+    auto, plain = load_rows(tmp_path / "auto"), load_rows(tmp_path / "plain")
+    assert {k: r["completion"] for k, r in auto.items()} == {k: r["completion"] for k, r in plain.items()}
+    for r in auto.values():
+        a = r["acceptance"]
+        assert a["mode"] == "auto" and len(a["depths"]) == 4 and sum(a["depths"]) == a["steps"]
+    assert json.loads((tmp_path / "auto" / "manifest.json").read_text())["config"]["mode"] == "auto"
+    assert JobConfig(dataset="d", model="m", output="o", mode="tree").resolved().batch_size == 1
+    assert JobConfig(dataset="d", model="m", output="o", batch_size=8).resolved().batch_size == 8
 
 
 def test_a_job_logs_one_line_per_fast_path(tmp_path, job_model, job_engine):

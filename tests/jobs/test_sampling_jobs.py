@@ -121,7 +121,7 @@ def _schema1_folder(tmp_path, job_model, job_engine, dataset):
     dataset_info of output schema 1 (no sample, n, seed or chat columns)."""
     config = job_config(dataset, job_model, tmp_path / "old")
     source = PromptSource(str(dataset))
-    manifest = build_manifest(config.resolved("cpu"), job_engine, source, len(source), 1, schema_version=1)
+    manifest = build_manifest(config.resolved(), job_engine, source, len(source), 1, schema_version=1)
     folder = OutputFolder(tmp_path / "old")
     folder.open(manifest, overwrite=False)
     result = job_engine.generate(PROMPT_TEXTS[0], max_tokens=16, mode="chain", draft_tokens=3)
@@ -146,6 +146,25 @@ def test_a_folder_of_the_older_schema_resumes_greedy_and_refuses_sampling(tmp_pa
     assert rows_out["b"]["completion"] == job_engine.generate(PROMPT_TEXTS[1], max_tokens=16).text
     assert rows_out["c"]["error"].startswith("invalid_field: this output folder was written by an older release")
     assert orjson.loads((old / "manifest.json").read_bytes())["schema_version"] == 1
+
+
+def test_a_folder_of_schema_2_resumes_sampled_jobs_without_the_depths_column(tmp_path, job_model, job_engine):
+    dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": PROMPT_TEXTS[0]},
+                                                  {"id": "b", "prompt": PROMPT_TEXTS[1]}])
+    config = job_config(dataset, job_model, tmp_path / "v2", temperature=0.7, mode="auto")
+    source = PromptSource(str(dataset))
+    folder = OutputFolder(tmp_path / "v2")
+    folder.open(build_manifest(config.resolved(), job_engine, source, len(source), 1, schema_version=2),
+                overwrite=False)
+    folder.close()
+    run_job(config, engine=job_engine)
+    ds = datasets.load_from_disk(str(tmp_path / "v2"))
+    assert sorted(ds["id"]) == ["a", "b"] and "depths" not in ds.features["acceptance"]
+    assert orjson.loads((tmp_path / "v2" / "manifest.json").read_bytes())["schema_version"] == 2
+    run_job(job_config(dataset, job_model, tmp_path / "v3", temperature=0.7, mode="auto"), engine=job_engine)
+    v3 = {r["id"]: r for r in datasets.load_from_disk(str(tmp_path / "v3"))}
+    assert {r["id"]: r["completion"] for r in ds} == {k: r["completion"] for k, r in v3.items()}
+    assert all(sum(r["acceptance"]["depths"]) == r["acceptance"]["steps"] for r in v3.values())
 
 
 def openai_lines() -> list[dict]:

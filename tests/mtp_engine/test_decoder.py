@@ -98,6 +98,9 @@ CASES = [
     ("l6_fai3_kv1_e8k1_mtp2", 3, "paths", 2, "mlx"),
     ("eos", 5, "adaptive", 4, "cpp"),
     ("l5_random_tied_sparse2", 3, "adaptive_tree", 3, "mlx"),
+    ("l4_fai4_kv2_e4k2", 4, "auto", 3, "mlx"),  # plain and speculative steps, as the controller chooses
+    ("eos", 5, "auto", 2, "cpp"),
+    ("l6_fai3_kv1_e8k1_mtp2", 1, "auto", 4, "mlx"),
 ]
 
 

@@ -88,8 +88,8 @@ def test_cost_model_prices_a_kernel_chain_as_one_launch():
 def test_dataset_suite_times_one_at_a_time_on_the_first_prompts_only(tmp_path, tiny_path):
     # A slow model's dataset run: one-at-a-time decoding on the first 2 of 4
     # prompts, chains at two depths, drafts projected at a profile, batched
-    # runs with and without prefills ahead; every row still equals the
-    # reference (plain decoding, then plain batching).
+    # chains and mode auto (its controller sees the projected drafts); every
+    # row still equals the reference (plain decoding, then plain batching).
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def add(a, b):", "Hello", "class A:", "x = "]))
     out = tmp_path / "bench.json"
@@ -103,7 +103,8 @@ def test_dataset_suite_times_one_at_a_time_on_the_first_prompts_only(tmp_path, t
     assert "plain batching at B=2" in run["settings"]["reference"]
     rows = {(r["mode"], r["draft_tokens"]): r for r in run["dataset_runs"]}
     assert set(rows) == {("plain, one at a time", 0), ("single-sequence chain", 1),
-                         ("single-sequence chain", 3), ("plain batching", 0), ("batched chain", 2)}
+                         ("single-sequence chain", 3), ("plain batching", 0), ("batched chain", 2),
+                         ("batched auto", 3)}
     assert [(c["draft_tokens"], c["batch_size"]) for c in run["batched_cost_model"]] == [(2, 2)]
     for (mode, _), r in rows.items():
         n = 2 if mode in ("plain, one at a time", "single-sequence chain") else 4
@@ -144,7 +145,7 @@ def test_dataset_suite_rotates_batched_rounds(tmp_path, tiny_path, capsys):
     code = main(["--model", str(tiny_path), "--prompts", str(prompts), "--suite", "dataset", "--limit", "3",
                  "--max-tokens", "5", "--batch-sizes", "2", "--draft-tokens", "1", "2", "--single-k", "1",
                  "--single-limit", "1", "--batch-rounds", "3", "--acceptance-profile", "0.9,0.5",
-                 "--no-mlx-lm-batch", "--json", str(out)])
+                 "--no-mlx-lm-batch", "--auto-k", "--json", str(out)])
     assert code == 0
     run = json.loads(out.read_text())
     assert run["settings"]["batched_rounds"] == "3, each starting one mode later"

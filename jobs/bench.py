@@ -1,0 +1,116 @@
+"""The job benchmark: what users run, end to end.
+
+``python -m jobs.bench --dataset FILE --model DIR --modes baseline auto ...``
+loads the model once and runs the same job (dataset in, shards, ledger and
+views out, into a fresh folder each time) once per mode, round and
+temperature, alternating the modes so a drifting host falls on each alike. It reports
+each run's completion tokens per second over the job's whole wall time
+(reading the dataset, prefill, decoding, commits), the ratio to the first
+mode's runs, whether every mode wrote the first mode's completions, and, for
+mode "auto", the depths its controller chose. The model load is not timed
+(each job would pay it once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import datasets
+import mlx.core as mx
+import orjson
+
+from jobs.config import JobConfig
+from jobs.runner import run_job
+from mtp_engine import MTPEngine
+from mtp_engine.modes import MODES
+
+
+def mode_spec(text: str) -> tuple[str, int | None]:
+    """``MODE`` or ``MODE:K`` (K drafts, or at most K under auto)."""
+    name, _, k = text.partition(":")
+    if name not in MODES or (k and not k.isdigit()):
+        raise argparse.ArgumentTypeError(f"a mode is one of {', '.join(MODES)}, optionally ':K'; got {text!r}")
+    return name, int(k) if k else None
+
+
+def run_once(engine, dataset: str, model: str, output: Path, mode: str, temperature: float, args) -> dict:
+    name, k = mode_spec(mode)
+    config = JobConfig(dataset=dataset, model=model, output=str(output), mode=name, max_tokens=args.max_tokens,
+                       batch_size=args.batch_size, draft_tokens=k or args.draft_tokens, limit=args.limit,
+                       temperature=temperature, seed=args.seed)
+    log = io.StringIO()
+    start = time.perf_counter()
+    summary = run_job(config, engine=engine, stream=log)
+    wall = time.perf_counter() - start
+    rows = datasets.load_from_disk(str(output))
+    depths = [0] * (config.draft_tokens + 1)
+    for a in rows["acceptance"]:
+        for d, n in enumerate((a or {}).get("depths") or []):
+            depths[d] += n
+    return {"mode": mode, "temperature": temperature, "wall_s": round(wall, 3), "tokens": summary.tokens, "rows": summary.committed,
+            "tok_s": round(summary.tokens / wall, 1),
+            "completions": {r["id"]: r["completion"] for r in rows}, "depths": depths if name == "auto" else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jobs.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dataset", default="examples/prompts.jsonl")
+    p.add_argument("--model", default="models/qwen3-next-tiny-stdlib")
+    p.add_argument("--modes", nargs="+", default=["baseline", "auto"], type=lambda t: mode_spec(t) and t,
+                   help="MODE or MODE:K (K drafts; at most K under auto); the first is the reference of ratios "
+                        "and completions")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--draft-tokens", type=int, default=3)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0], help="0: greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the report here")
+    args = p.parse_args(argv)
+    engine = MTPEngine.load(args.model)
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for temperature in args.temperatures:
+            for r in range(args.rounds):
+                order = args.modes[r % len(args.modes):] + args.modes[: r % len(args.modes)]
+                for mode in order:
+                    out = Path(tmp) / f"{mode}-{temperature}-{r}"
+                    run = run_once(engine, args.dataset, args.model, out, mode, temperature, args)
+                    run["round"] = r
+                    runs.append(run)
+                    print(f"T={temperature} round {r + 1}/{args.rounds} {mode}: {run['tok_s']} tok/s "
+                          f"({run['tokens']} tokens, {run['wall_s']} s)", file=sys.stderr, flush=True)
+    summary = []
+    for temperature in args.temperatures:
+        here = [run for run in runs if run["temperature"] == temperature]
+        reference = [run for run in here if run["mode"] == args.modes[0]]
+        ref_rate = statistics.mean(run["tok_s"] for run in reference)
+        for mode in args.modes:
+            mine = [run for run in here if run["mode"] == mode]
+            rate = statistics.mean(run["tok_s"] for run in mine)
+            same = all(run["completions"] == reference[0]["completions"] for run in mine)
+            depths = [sum(d) for d in zip(*[run["depths"] for run in mine])] if mine[0]["depths"] else None
+            summary.append({"temperature": temperature, "mode": mode, "tok_s": round(rate, 1),
+                            "rounds": [run["tok_s"] for run in mine], "ratio": round(rate / ref_rate, 3),
+                            "same_completions": same, "depths": depths})
+            print(f"T={temperature} {mode:>10}: {rate:8.1f} tok/s  {rate / ref_rate:5.2f}x  rounds "
+                  f"{[run['tok_s'] for run in mine]}  same rows: {same}"
+                  + (f"  depths chosen {depths}" if depths else ""))
+    report = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "device": str(mx.default_device()),
+              "settings": {k: v for k, v in vars(args).items() if k != "json"}, "summary": summary,
+              "runs": [{k: v for k, v in run.items() if k != "completions"} for run in runs]}
+    if args.json:
+        Path(args.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
+    return 0 if all(s["same_completions"] for s in summary) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
