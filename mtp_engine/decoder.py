@@ -291,7 +291,8 @@ class Decoder:
         """Before a speculative step: emit the dispatched plain step's
         tokens (each row's last token is then unfed again)."""
         done = self._read_ahead()
-        self._ahead, self._ahead_hidden, self._ahead_logits, self._fed = None, None, None, [False] * len(self.rows)
+        self._ahead = self._ahead_hidden = self._ahead_logits = None
+        self._fed = [False] * len(self.rows)
         return done
 
     # -- rows joining and leaving ---------------------------------------------
@@ -379,12 +380,7 @@ class Decoder:
                 append_row(self.caches, caches, len(self.rows))
                 self.rows.append(row)
                 self._fed.append(False)
-                if self._ahead is not None:  # a place in the dispatched tokens, unread (not fed)
-                    self._ahead = mx.concatenate([self._ahead, mx.zeros((1, 1), dtype=self._ahead.dtype)])
-                if self._ahead_hidden is not None:
-                    self._ahead_hidden = mx.concatenate([self._ahead_hidden, self._ahead_hidden[:1]])
-                if self._ahead_logits is not None:
-                    self._ahead_logits = mx.concatenate([self._ahead_logits, self._ahead_logits[:1]])
+                self._map_ahead(lambda a: mx.concatenate([a, a[:1]]))  # a place, unread (not fed)
             self.hooks.lap("join", states=self.caches)
             if self.drafter is not None:
                 self.drafter.add_row(slot, hidden, q.prompt[1:] + [x], key)
@@ -395,14 +391,16 @@ class Decoder:
         filter_rows(self.caches, rows)
         if self.drafter is not None and self.drafter.rows:
             self.drafter.filter(rows)
-        if self._ahead is not None:
-            self._ahead = self._ahead[mx.array(rows, dtype=mx.int32)] if rows else None
-        if self._ahead_hidden is not None:
-            self._ahead_hidden = self._ahead_hidden[mx.array(rows, dtype=mx.int32)] if rows else None
-        if self._ahead_logits is not None:
-            self._ahead_logits = self._ahead_logits[mx.array(rows, dtype=mx.int32)] if rows else None
+        index = mx.array(rows, dtype=mx.int32)
+        self._map_ahead(lambda a: a[index] if rows else None)
         self._fed = [self._fed[r] for r in rows]
         self.rows = [self.rows[r] for r in rows]
+
+    def _map_ahead(self, change) -> None:
+        """Apply ``change`` to each per-row array of the dispatched plain
+        step that is set (its tokens, hiddens and logits)."""
+        self._ahead, self._ahead_hidden, self._ahead_logits = (
+            None if a is None else change(a) for a in (self._ahead, self._ahead_hidden, self._ahead_logits))
 
     def _result(self, row: _Row) -> GenerationResult:
         s = row.stats

@@ -59,8 +59,9 @@ class Drafter(Protocol):
         """Keep only these rows, in this order."""
 
     def extend(self, hidden: mx.array, tokens: list[list[int]]) -> None:
-        """Queue more pairs after a plain step (mode "auto"): row ``b``'s
-        ``(hidden[b, j], tokens[b][j])`` after its pending ones."""
+        """Queue the pairs of one plain step (mode "auto"): row ``b``'s
+        ``(hidden[b, 0], tokens[b][0])`` after its pending ones, where
+        ``tokens[b]`` holds that step's token or nothing (a row not fed)."""
 
     def propose(self, decode, k: int, params: list, starts: list[int], caps: list[int]) -> Proposal:
         """Drafts for one verify forward (``k`` deep at most, row ``b`` using
