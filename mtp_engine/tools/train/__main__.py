@@ -131,7 +131,7 @@ def _settings(cls, args, names: list[str]):
         sys.exit(f"{args.command}: {e}")
 
 
-COMMON = ["seq_len", "batch_size", "steps", "lr", "warmup", "eval_every", "max_seconds", "seed",
+COMMON = ["seq_len", "batch_size", "steps", "lr", "min_lr", "warmup", "eval_every", "max_seconds", "seed",
           "checkpoint_minutes", "log_every"]
 
 
@@ -142,7 +142,8 @@ def cmd_fit(args, argv) -> None:
     from mtp_engine.tools.train.checkpoint import read_checkpoint
     from mtp_engine.tools.train.trainer import FitSettings, Log, fit
 
-    settings = _settings(FitSettings, args, COMMON)
+    settings = _settings(FitSettings, args, COMMON + ["unlikelihood", "ul_batch", "prefix_len", "new_tokens",
+                                                      "pool_sequences", "regenerate_every"])
     if args.no_compile:
         settings.compile = False
     try:
@@ -231,7 +232,8 @@ def _run_args(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--resume", help="continue from this run folder, step folder or portable copy")
     p.add_argument("--detach", action="store_true", help="run in a new session, logging to OUT/train.log")
     p.add_argument("--no-compile", action="store_true", help="do not torch.compile the loss")
-    for name, kind in (("seq-len", int), ("batch-size", int), ("steps", int), ("lr", float), ("warmup", int),
+    for name, kind in (("seq-len", int), ("batch-size", int), ("steps", int), ("lr", float), ("min-lr", float),
+                       ("warmup", int),
                        ("eval-every", int), ("max-seconds", float), ("seed", int), ("checkpoint-minutes", float),
                        ("log-every", int)):
         p.add_argument(f"--{name}", type=kind, default=None)
@@ -253,6 +255,12 @@ def main(argv=None) -> None:
     _run_args(p, ".train-runs/fit")
     p.add_argument("--preset", default="large", help=f"model shape: {', '.join(PRESETS)} (default: large)")
     p.add_argument("--config-overrides", help="JSON dict of config.json overrides")
+    p.add_argument("--unlikelihood", type=float, default=None,
+                   help="weight of sequence-level unlikelihood on the trunk's looping greedy continuations "
+                        "(0 = off; for tuning a fitted model, with --resume)")
+    for name, kind in (("ul-batch", int), ("prefix-len", int), ("new-tokens", int), ("pool-sequences", int),
+                       ("regenerate-every", int)):
+        p.add_argument(f"--{name}", type=kind, default=None)
     p = sub.add_parser("distill", help="retrain a fit's head on the trunk's continuations (PyTorch)")
     _run_args(p, ".train-runs/distill")
     p.add_argument("--source", required=True, help="the fit run whose head is distilled")

@@ -7,6 +7,10 @@
 #       FIT_S seconds, all at once; then distill the head of the run with the lowest held-out
 #       perplexity for DISTILL_S seconds; RUNS/DONE at the end. Data: $DATA (default .train-data,
 #       prepare's outputs; train.npy may be train.npy.xz).
+#   bash mtp_engine/tools/train/h200.sh tune RUNS SOURCE TUNE_S DISTILL_S
+#       detached: continue the fit of SOURCE (a model folder, run or portable copy) for TUNE_S seconds
+#       with sequence-level unlikelihood on its looping greedy continuations (RUNS/tune), then distill
+#       the head for DISTILL_S seconds (RUNS/distill); RUNS/DONE at the end.
 #   bash mtp_engine/tools/train/h200.sh poll RUNS SECONDS
 #       wait up to SECONDS (less if RUNS/DONE appears), then copy into $OUT the logs' tails
 #       (logs.txt), every fit's progress (scaling.json) and a bfloat16 copy of the newest step of
@@ -40,6 +44,15 @@ pipeline() {  # FIT_S SMALL_S DISTILL_S [RESUME_FIT]
 }
 
 case $cmd in
+  tune)
+    source=${3:?SOURCE folder}
+    setsid bash -c "$train fit --resume $source --data $data --out $runs/tune --steps 1000000 \
+        --max-seconds ${4:-300} --lr 5e-4 --min-lr 5e-5 --warmup 50 --eval-every 200 --unlikelihood 1.0 \
+        --ul-batch 64 --prefix-len 64 --new-tokens 128 --pool-sequences 8192 --regenerate-every 100 >/dev/null 2>&1; \
+      $train distill --source $runs/tune --data $data --out $runs/distill --steps 1000000 --max-seconds ${5:-360} \
+        --pool-sequences 6144 --regenerate-every 300 --eval-every 500 >/dev/null 2>&1; touch $runs/DONE" \
+      > "$runs/pipeline.log" 2>&1 < /dev/null &
+    echo "tune started (pid $!), runs in $runs" ;;
   start)
     export -f pipeline; export runs data train
     setsid bash -c "pipeline ${3:-780} ${4:-360} ${5:-360}" > "$runs/pipeline.log" 2>&1 < /dev/null &
@@ -76,6 +89,7 @@ for run in sorted(Path(sys.argv[1]).glob("*/")):
 print(json.dumps(out, indent=1))
 PY
     current=$runs/distill
+    [ -f "$current/latest" ] || current=$runs/tune
     [ -f "$current/latest" ] || current=$runs/fit-large
     [ -f "$current/latest" ] && $train portable "$current" "$out/p" > /dev/null
     ls -la "$out" "$out/p" 2>/dev/null; cat "$out/logs.txt" | grep -v '^$' | tail -n 40

@@ -14,7 +14,14 @@ fit's loss: the trunk's next-token cross-entropy, plus the head's losses on
 the trunk's final-normed hidden with gradients stopped (step 1
 ``(H_i, t_{i+1}) -> t_{i+2}``, chained step 2 ``(M_i, t_{i+2}) -> t_{i+3}``),
 which reach neither the trunk nor the shared embedding and LM head, plus a
-small load-balancing term for the routers.
+small load-balancing term for the routers. With ``unlikelihood`` > 0 (a
+tune of a fitted model) it adds sequence-level unlikelihood (Welleck et al.,
+2020, "Neural text generation with unlikelihood training"): the trunk
+continues corpus prefixes greedily (a pool regenerated every
+``regenerate_every`` steps), and every token of those continuations that
+repeats a cycle (`loop_mask`) gets the loss ``-log(1 - p(token))``, so
+the trunk learns to leave the loops that greedy decoding falls into; the
+next-token loss on corpus windows keeps the rest of its distribution.
 
 distill's loss, at every draft depth ``j`` (``(M^{j-1}_i, t_{i+j})``, the
 head fed its own hidden as chained drafting does): cross-entropy to the
@@ -37,6 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mtp_engine.tools.loops import find_loop
 from mtp_engine.tools.train.checkpoint import read_checkpoint, write_step
 from mtp_engine.tools.train.torch_model import Trainee
 
@@ -53,6 +61,12 @@ class FitSettings:
     clip: float = 1.0
     mtp_weights: tuple[float, float] = (1.0, 0.5)
     moe_aux_weight: float = 0.01
+    unlikelihood: float = 0.0
+    ul_batch: int = 64
+    prefix_len: int = 64
+    new_tokens: int = 128
+    pool_sequences: int = 2048
+    regenerate_every: int = 100
     seed: int = 0
     eval_every: int = 500
     log_every: int = 50
@@ -64,6 +78,11 @@ class FitSettings:
         if self.seq_len < 4 or self.batch_size < 1 or self.steps < 1 or self.lr <= 0:
             raise ValueError(f"need seq_len >= 4, batch_size, steps >= 1 and lr > 0, got {self.seq_len}, "
                              f"{self.batch_size}, {self.steps}, {self.lr}")
+        if self.unlikelihood < 0 or (self.unlikelihood and min(self.ul_batch, self.prefix_len, self.new_tokens,
+                                                               self.pool_sequences, self.regenerate_every) < 1):
+            raise ValueError(f"unlikelihood must be >= 0, and with it ul_batch, prefix_len, new_tokens, "
+                             f"pool_sequences and regenerate_every >= 1; got {self.unlikelihood}, {self.ul_batch}, "
+                             f"{self.prefix_len}, {self.new_tokens}, {self.pool_sequences}, {self.regenerate_every}")
 
 
 @dataclass
@@ -168,6 +187,50 @@ def fit_losses(trainee: Trainee, x: torch.Tensor):
     m2 = head(m1[:, :-1], emb[:, 2:-1])
     mtp2 = F.cross_entropy(lm_logits(trainee, m2, True).float().flatten(0, 1), x[:, 3:].flatten())
     return lm, mtp1, mtp2, trainee.moe_aux()
+
+
+# A token is in a loop when it equals the token `period` (<= LOOP_PERIOD)
+# before it inside a stretch of at least LOOP_RUN such tokens, and is past
+# that stretch's first repetition of its cycle (a line written twice can be
+# right; the third time round is a loop). `mtp_engine.tools.loops` counts an
+# output as looping when its last 48 tokens repeat a cycle of period <= 12.
+LOOP_PERIOD = 12
+LOOP_RUN = 24
+
+
+def loop_mask(x: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """Boolean ``[B, T]``: tokens of ``x`` ``[B, T]`` (from column ``start``)
+    that repeat a cycle, as defined above."""
+    B, T = x.shape
+    mask = torch.zeros(B, T, dtype=torch.bool, device=x.device)
+    for period in range(1, LOOP_PERIOD + 1):
+        if T <= period:
+            break
+        eq = (x[:, period:] == x[:, :-period]).int()  # eq[:, i]: x[i + period] repeats x[i]
+        n = eq.shape[1]
+        forward = torch.zeros_like(eq)  # length of the stretch of equal pairs ending at i
+        backward = torch.zeros_like(eq)  # ... starting at i
+        run_f = torch.zeros(B, dtype=eq.dtype, device=x.device)
+        run_b = torch.zeros_like(run_f)
+        for i in range(n):
+            run_f = (run_f + 1) * eq[:, i]
+            forward[:, i] = run_f
+            run_b = (run_b + 1) * eq[:, n - 1 - i]
+            backward[:, n - 1 - i] = run_b
+        looping = (forward + backward - 1 >= LOOP_RUN) & (forward > period) & (eq > 0)
+        mask[:, period:] |= looping
+    mask[:, :start] = False
+    return mask
+
+
+def unlikelihood_loss(trunk, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``-log(1 - p(x_t | x_<t))`` over the tokens ``mask`` marks
+    (``mask[:, 0]`` is ignored: nothing predicts the first token)."""
+    logits = trunk.lm_head(trunk.hidden(x[:, :-1])).float()
+    target_logp = logits.log_softmax(-1).gather(-1, x[:, 1:, None])[..., 0]
+    penalty = -torch.log1p(-target_logp.exp().clamp(max=1 - 1e-5))
+    m = mask[:, 1:].float()
+    return (penalty * m).sum() / m.sum().clamp(min=1.0)
 
 
 @torch.no_grad()
@@ -339,8 +402,9 @@ class Run:
             batch = next_batch(self.step)
             loss, parts = run(batch)
             self.step += 1
-            self.tokens += batch.numel()
-            window_tokens += batch.numel()
+            size = (batch[0] if isinstance(batch, tuple) else batch).numel()
+            self.tokens += size
+            window_tokens += size
             if self.step % s.log_every == 0 or self.step == 1:
                 if self.dev.type == "cuda":
                     torch.cuda.synchronize()
@@ -388,17 +452,53 @@ def fit(config: dict, data: Path, out: Path, settings: FitSettings, resume: Path
     held = torch.from_numpy(load_tokens(data, "heldout").astype(np.int32))
     n_params = sum(p.numel() for p in run.trainee.parameters())
     log(f"fit: {n_params / 1e6:.2f}M parameters, {len(train)} training tokens, device {dev}, settings {asdict(settings)}")
-    span = settings.seq_len + 1
-    w1, w2 = settings.mtp_weights
+    s = settings
+    span = s.seq_len + 1
+    w1, w2 = s.mtp_weights
+    pool: dict = {}
 
-    def loss_fn(x):
+    def regenerate(step: int) -> None:
+        """Greedy continuations of corpus prefixes by the trunk as it is now,
+        and which of their tokens loop."""
+        started = time.monotonic()
+        trunk = run.trainee.trunk.eval()
+        starts = batch_starts(len(train), s.prefix_len, s.pool_sequences, s.seed + 31, step).to(dev)
+        sequences = torch.cat([continue_text(trunk, chunk, s.new_tokens, 0.0, None)
+                               for chunk in torch.split(windows(train, starts, s.prefix_len), 1024)])
+        run.trainee.train()
+        mask = loop_mask(sequences, s.prefix_len)
+        rows = [r.tolist() for r in sequences[:, s.prefix_len:].cpu()]
+        looping = mask.any(1).nonzero()[:, 0]  # only rows with a penalized token carry a gradient
+        pool.update(sequences=sequences, mask=mask, rows=looping if len(looping) else torch.arange(len(mask), device=dev),
+                    loop_rate=sum(find_loop(r) is not None for r in rows) / len(rows))
+        log(f"fit: {len(rows)} greedy continuations, {pool['loop_rate']:.1%} end in a loop, "
+            f"{mask.float().mean().item():.1%} of tokens penalized, {time.monotonic() - started:.1f} s")
+
+    def loss_fn(batch):
+        x = batch[0]
         lm, mtp1, mtp2, aux = fit_losses(run.trainee, x)
-        return lm + w1 * mtp1 + w2 * mtp2 + settings.moe_aux_weight * aux, {"lm": lm, "mtp1": mtp1, "mtp2": mtp2}
+        total = lm + w1 * mtp1 + w2 * mtp2 + s.moe_aux_weight * aux
+        parts = {"lm": lm, "mtp1": mtp1, "mtp2": mtp2}
+        if s.unlikelihood:
+            parts["ul"] = unlikelihood_loss(run.trainee.trunk, batch[1], batch[2])
+            total = total + s.unlikelihood * parts["ul"]
+        return total, parts
 
     def next_batch(step):
-        return windows(train, batch_starts(len(train), span, settings.batch_size, settings.seed, step).to(dev), span)
+        x = windows(train, batch_starts(len(train), span, s.batch_size, s.seed, step).to(dev), span)
+        if not s.unlikelihood:
+            return (x,)
+        if step % s.regenerate_every == 0 or "sequences" not in pool:
+            regenerate(step - step % s.regenerate_every)
+        g = torch.Generator().manual_seed(s.seed * 1_000_003 + step)
+        rows = pool["rows"][torch.randint(0, len(pool["rows"]), (s.ul_batch,), generator=g).to(dev)]
+        return x, pool["sequences"][rows], pool["mask"][rows]
 
-    run.loop(next_batch, loss_fn, lambda: evaluate(run.trainee, held, settings.seq_len, dev))
+    def evaluate_fn():
+        result = evaluate(run.trainee, held, s.seq_len, dev)
+        return {**result, "pool_loop_rate": round(pool["loop_rate"], 4)} if "loop_rate" in pool else result
+
+    run.loop(next_batch, loss_fn, evaluate_fn)
     return out
 
 

@@ -32,7 +32,16 @@ from mtp_engine.tools.train.checkpoint import (  # noqa: E402
 )
 from mtp_engine.tools.train.export import load_into_mlx  # noqa: E402
 from mtp_engine.tools.train.torch_model import Trainee, gated_delta_chunked, gated_delta_steps  # noqa: E402
-from mtp_engine.tools.train.trainer import DistillSettings, Log, distill, evaluate  # noqa: E402
+from mtp_engine.tools.train.trainer import (  # noqa: E402
+    DistillSettings,
+    FitSettings,
+    Log,
+    distill,
+    evaluate,
+    fit,
+    loop_mask,
+    unlikelihood_loss,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = dict(hidden_size=64, num_attention_heads=2, linear_num_value_heads=2, linear_num_key_heads=1, head_dim=32,
@@ -166,6 +175,47 @@ def test_resume_from_nothing_is_a_clear_error(tmp_path, data):
     r = subprocess.run(_fit(tmp_path / "x", data, 2, "--resume", str(tmp_path / "missing")), env=env,
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode != 0 and "no checkpoint step" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_loop_mask_marks_a_cycle_from_its_third_time_round():
+    prefix = list(range(100, 110))
+    looped = torch.tensor([prefix + [5, 6, 7] * 12])  # a period-3 loop after 10 tokens
+    mask = loop_mask(looped)[0].tolist()
+    assert mask == [False] * 16 + [True] * 30  # the cycle's first two passes are not penalized
+    assert not loop_mask(looped, start=46).any()
+    twice = torch.tensor([prefix + [5, 6, 7, 8, 9, 10, 11, 12] * 2 + list(range(200, 230))])
+    assert not loop_mask(twice).any()  # a line written twice is no loop
+    assert not loop_mask(torch.arange(60)[None]).any()
+
+
+def test_unlikelihood_lowers_the_looping_tokens_and_the_tune_logs_its_loop_rate(tmp_path, data, fitted):
+    config, weights, _ = read_checkpoint(fitted, with_optimizer=False)
+    trainee = Trainee(config)
+    trainee.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+    x = torch.tensor([list(range(3, 13)) + [20, 21, 22, 23] * 8])
+    mask = loop_mask(x)
+
+    def looping_probability():
+        with torch.no_grad():
+            p = trainee.trunk.lm_head(trainee.trunk.hidden(x[:, :-1])).softmax(-1)
+            return p.gather(-1, x[:, 1:, None])[..., 0][mask[:, 1:]].mean().item()
+
+    before = looping_probability()
+    opt = torch.optim.SGD(trainee.trunk.parameters(), lr=0.5)
+    for _ in range(5):
+        opt.zero_grad()
+        unlikelihood_loss(trainee.trunk, x, mask).backward()
+        opt.step()
+    assert looping_probability() < before
+
+    settings = FitSettings(seq_len=32, batch_size=4, steps=34, lr=1e-3, warmup=1, unlikelihood=1.0, ul_batch=4,
+                           prefix_len=8, new_tokens=40, pool_sequences=16, regenerate_every=2, eval_every=1000,
+                           checkpoint_minutes=60, compile=False)
+    fit(config, data, tmp_path / "tune", settings, fitted, Log(None))  # the fit continues, with unlikelihood
+    _, _, progress = read_checkpoint(tmp_path / "tune", with_optimizer=False)
+    assert progress["step"] == 34 and 0.0 <= progress["history"][-1]["pool_loop_rate"] <= 1.0
+    with pytest.raises(ValueError, match="unlikelihood"):
+        FitSettings(unlikelihood=-1.0)
 
 
 @pytest.fixture(scope="module")
