@@ -397,6 +397,7 @@ class Run:
         run = self.step_fn(loss_fn)
         last_save = time.monotonic()
         window_start, window_tokens = time.monotonic(), 0
+        first_step = self.step
         while self.step < s.steps and not (s.max_seconds and self.seconds >= s.max_seconds):
             started = time.monotonic()
             batch = next_batch(self.step)
@@ -413,7 +414,11 @@ class Run:
                          + " ".join(f"{k} {v.item():.4f}" for k, v in parts.items())
                          + f" lr {self.lr():.2e} | {rate:.0f} tok/s, {self.seconds:.0f} s")
                 window_start, window_tokens = time.monotonic(), 0
-            self.seconds += time.monotonic() - started
+            if self.step > first_step + 1:  # a process's first step compiles: not training time
+                self.seconds += time.monotonic() - started
+            else:
+                self.log(f"{self.kind}: first step (compilation, warm-up) took {time.monotonic() - started:.1f} s, "
+                         f"not counted against max_seconds")
             if self.step % s.eval_every == 0:
                 self.history.append({"step": self.step, "tokens": self.tokens, "seconds": round(self.seconds, 1),
                                      **evaluate_fn()})
