@@ -137,12 +137,7 @@ def representative(completions: list[dict]) -> list[tuple[str, dict]]:
     distinct lines), a loop-free one of median length, and the first that
     ends in a loop."""
 
-    def parses(c):
-        try:
-            ast.parse(c["prompt"] + c["completion"])
-            return True
-        except SyntaxError:
-            return False
+    parses = _parses_whole
 
     def lines(c):
         return [line.strip() for line in c["completion"].splitlines() if line.strip()]
@@ -159,6 +154,21 @@ def representative(completions: list[dict]) -> list[tuple[str, dict]]:
     if looping:
         picks.append(("ends in a loop", looping[0]))
     return picks
+
+
+def _parses_whole(c: dict) -> bool:
+    try:
+        ast.parse(c["prompt"] + c["completion"])
+        return True
+    except SyntaxError:
+        return False
+
+
+def _parses_in_part(c: dict) -> bool:
+    """Whether the prompt and the completion's first n >= 3 lines parse, for some n."""
+    lines = c["completion"].split("\n")
+    return any(_parses_whole({"prompt": c["prompt"], "completion": "\n".join(lines[:n])})
+               for n in range(len(lines), 2, -1))
 
 
 def _shown(text: str, most: int = 24) -> str:
@@ -266,6 +276,7 @@ def _training_lines(training: dict) -> list[str]:
     if curve:
         lines += ["", "The large run's held-out perplexity by step: "
                   + ", ".join(f"{h['step']}: {h['perplexity']}" for h in curve) + "."]
+    lines += _tune_lines(training, runs)
     lines += [
         "",
         "### Reproduce, and training that survives a lost machine",
@@ -276,7 +287,9 @@ def _training_lines(training: dict) -> list[str]:
         "python -m mtp_engine.train portable .train-runs/fit /tmp/move              # bfloat16 copy of the newest step (files <= 16 MB)",
         "python -m mtp_engine.train fit --resume .train-runs/fit ...                # continue (a run folder, step folder or portable copy)",
         "python -m mtp_engine.train distill --source .train-runs/fit --max-seconds 420 --detach",
-        "python -m mtp_engine.train export --checkpoint .train-runs/distill --out models/qwen3-next-tiny-stdlib",
+        "python -m mtp_engine.train fit --resume .train-runs/distill --out .train-runs/tune --unlikelihood 1.0 --lr 5e-4 \\",
+        "    --min-lr 5e-5 --warmup 50 --max-seconds 300 --detach   # tune the trunk out of its greedy loops",
+        "python -m mtp_engine.train export --checkpoint .train-runs/tune --out models/qwen3-next-tiny-stdlib",
         "python -m mtp_engine.train measure                 # acceptance.json and this card",
         "```",
         "",
@@ -293,6 +306,30 @@ def _training_lines(training: dict) -> list[str]:
         "",
     ]
     return lines
+
+
+def _tune_lines(training: dict, runs: dict) -> list[str]:
+    """The loop tune (``fit --unlikelihood``), when it made the model."""
+    s = training.get("settings", {})
+    if training.get("kind") != "fit" or not s.get("unlikelihood") or not training.get("history"):
+        return []
+    history = training["history"]
+    before = runs.get("fit-large", {}).get("history", [{}])[-1].get("perplexity")
+    rates = ", ".join(f"{h['step']}: {h['pool_loop_rate']:.1%}" for h in history if "pool_loop_rate" in h)
+    return [
+        "",
+        f"Then trunk and head were tuned out of the trunk's greedy loops (`python -m mtp_engine.train fit --resume "
+        f"... --unlikelihood {s['unlikelihood']}`, on one {training.get('device', '?')}): {training['step']} steps, "
+        f"{training['seconds']} s, learning rate {s['lr']} falling to {s['min_lr']}. The next-token and head losses on "
+        "corpus windows go on, plus sequence-level unlikelihood (Welleck et al. 2020) on the trunk's own greedy "
+        f"continuations ({s['new_tokens']} tokens) of {s['pool_sequences']} corpus prefixes, regenerated every "
+        f"{s['regenerate_every']} steps: each token that repeats a cycle of period <= 12 inside a stretch of >= 24 "
+        "tokens, from the cycle's third pass on, adds -log(1 - p) for its probability p. Share of those "
+        f"continuations ending in a loop by step: {rates}; held-out perplexity {before} before the tune, "
+        f"{history[-1]['perplexity']} after (512-token windows). The head was not distilled again."
+        + ("" if training.get("status") == "done" else
+           f" The weights are the run's checkpoint at step {training['step']}: its machine was lost before the end."),
+    ]
 
 
 def _measured_lines(m: dict) -> list[str]:
@@ -331,7 +368,10 @@ def _measured_lines(m: dict) -> list[str]:
     lines += ["", "## Three completions", "",
               "Greedy, as `make generate DATASET=examples/prompts.jsonl` writes them: the prompt's last line, then "
               "the completion (at most 24 lines shown). The model writes Python-shaped text that drifts from the "
-              "docstring and often repeats itself; a few completions are a plausible body.", ""]
+              f"docstring. Of the {len(m['completions'])} completions, {sum(map(_parses_whole, m['completions']))} "
+              "parse as Python with their prompt as written, "
+              f"{sum(map(_parses_in_part, m['completions']))} up to some line at least three lines in (128 tokens "
+              f"often stop mid-statement), and {sum(c['loop'] for c in m['completions'])} end in a loop.", ""]
     for label, c in representative(m["completions"]):
         last = c["prompt"].rstrip("\n").splitlines()[-1]
         lines += [f"**{c['id']}** ({label}):", "", "```python", last + _shown(c["completion"]), "```", ""]

@@ -201,7 +201,9 @@ def is_model_folder(folder: Path) -> bool:
 def read_model_folder(folder: Path) -> tuple[dict, dict[str, np.ndarray], dict]:
     """(config, weights, progress) of a Hub-layout Qwen3-Next folder, the
     weights under the trainer's names (``trunk.*``, ``head.*`` from
-    ``mtp.*``) in the MLX layout the trainer keeps."""
+    ``mtp.*``) in the MLX layout the trainer keeps. The progress keeps the
+    runs that made the model (its ``training.json``), so a run started from
+    it records them before its own."""
     from mtp_engine.weights import MTP_PREFIX, hub_to_mlx
 
     folder = Path(folder)
@@ -213,7 +215,16 @@ def read_model_folder(folder: Path) -> tuple[dict, dict[str, np.ndarray], dict]:
     for key, value in hub_to_mlx(tensors).items():
         name = "head." + key[len(MTP_PREFIX):] if key.startswith(MTP_PREFIX) else "trunk." + key
         weights[name] = np.ascontiguousarray(value, dtype=np.float32)
-    return config, weights, {"kind": "model", "step": 0, "source": str(folder)}
+    progress = {"kind": "model", "step": 0, "source": str(folder)}
+    training = folder / "training.json"
+    if training.exists():
+        made = json.loads(training.read_text())
+        progress["runs"] = made.get("runs", [])
+        if made.get("status") != "done" and made.get("history"):  # exported mid-run: that run too, so far
+            progress["runs"].append({"kind": made.get("kind"), "steps": made.get("step"), "tokens": made.get("tokens"),
+                                     "seconds": made.get("seconds"), "settings": made.get("settings"),
+                                     "final": made["history"][-1], "status": made.get("status")})
+    return config, weights, progress
 
 
 def read_checkpoint(folder: Path, with_optimizer: bool = True) -> tuple[dict, dict[str, np.ndarray], dict]:

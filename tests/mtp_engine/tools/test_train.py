@@ -258,6 +258,7 @@ def test_exported_run_loads_and_decodes_losslessly(tmp_path, data, fitted):
     _, trained, _ = read_checkpoint(fitted, with_optimizer=False)
     _, exported, progress = read_checkpoint(out)  # a model folder reads back as a checkpoint (weights only)
     assert progress["kind"] == "model" and set(exported) == set(trained)
+    assert [r["kind"] for r in progress["runs"]] == ["fit"]  # a run started from the model records what made it
     assert all(np.allclose(exported[k], trained[k], rtol=2**-7, atol=1e-6) for k in trained)  # bfloat16
     engine = MTPEngine.load(out)
     prompt = [int(t) for t in np.load(data / "heldout.npy")[:20]]
