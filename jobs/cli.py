@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fast-path", dest="fast_paths", action="append", metavar="NAME=VALUE",
                    help="set one engine fast path (repeatable), e.g. cpp_drafter=off, few_rows=16, "
                    "compile_layers=auto; names in docs/BACKENDS.md. They change speed, never output")
+    g.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                   help="meet every decoding step shape once before the first row, so no row pays a kernel's "
+                   "first use (default: on a GPU, off on the CPU, where first uses cost nothing)")
     g.add_argument(
         "--overwrite",
         action="store_true",

@@ -75,6 +75,10 @@ class JobConfig:
         fast_paths: Engine fast-path switches, ``(name, value)`` pairs of
             `EngineOptions` fields over its environment defaults (speed
             only: not part of the job's fingerprint).
+        warm_up: Meet every step shape once before the first row
+            (`mtp_engine.decoder.Decoder.warm_up`), so no row pays a
+            kernel's first use; None: on a GPU, where that costs, not on the
+            CPU, where it does not (speed only).
     """
 
     dataset: str
@@ -106,6 +110,7 @@ class JobConfig:
     n: int = 1
     sampler: str = SamplingParams.sampler
     fast_paths: tuple[tuple[str, object], ...] = ()
+    warm_up: bool | None = None
 
     def __post_init__(self):
         for name in ("dataset", "model", "output", "prompt_field", "messages_field", "id_field"):
@@ -133,6 +138,8 @@ class JobConfig:
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise ConfigError(f"system_prompt must be a string, got {self.system_prompt!r}")
         object.__setattr__(self, "fast_paths", _fast_path_pairs(self.fast_paths))
+        if self.warm_up is not None and not isinstance(self.warm_up, bool):
+            raise ConfigError(f"warm_up must be true, false or unset, got {self.warm_up!r}")
         try:
             self.sampling()
         except ValueError as e:

@@ -39,6 +39,9 @@ class LedgerEntry:
         samples: Each row's sample index (parallel to ``ids``), or None
             when every row is sample 0 (older ledgers, one completion per
             prompt). A completion's key is ``(id, sample)``.
+        warmup_s: Seconds of ``wall_s`` the decoder spent meeting its step
+            shapes before the first row (`Decoder.warm_up`; the first shard
+            of a run on a GPU), 0 elsewhere.
     """
 
     shard: str
@@ -56,13 +59,15 @@ class LedgerEntry:
     crc32: int | None = None
     fingerprint: str | None = None
     samples: list[int] | None = None
+    warmup_s: float = 0.0
 
     def keys(self) -> list[tuple[str, int]]:
         """The ``(id, sample)`` key of each row, in order."""
         return list(zip(self.ids, self.samples or [0] * len(self.ids)))
 
     @classmethod
-    def from_rows(cls, shard: str, writer: str, rows: list[dict], wall_s: float, **file) -> "LedgerEntry":
+    def from_rows(cls, shard: str, writer: str, rows: list[dict], wall_s: float, warmup_s: float = 0.0,
+                  **file) -> "LedgerEntry":
         ok = [r for r in rows if r["finish_reason"] != "error"]
         acc = [r["acceptance"] for r in ok if r["acceptance"] and r["acceptance"].get("steps") is not None]
         samples = [r.get("sample") or 0 for r in rows]
@@ -79,6 +84,7 @@ class LedgerEntry:
             steps=sum(a["steps"] for a in acc),
             accepted=sum(a["accepted"] for a in acc),
             committed_at=time.time(),
+            warmup_s=warmup_s,
             **file,
         )
 
@@ -234,6 +240,7 @@ class Totals:
     steps: int = 0
     accepted: int = 0
     shards: int = 0
+    warmup_s: float = 0.0
     # (start, end) of each shard's making, to count time once where ranks
     # (or writers) worked at the same moment.
     spans: list[tuple[float, float]] = field(default_factory=list)
@@ -247,6 +254,7 @@ class Totals:
         self.steps += e.steps
         self.accepted += e.accepted
         self.shards += 1
+        self.warmup_s += e.warmup_s
         self.spans.append((e.committed_at - e.wall_s, e.committed_at))
 
     @property

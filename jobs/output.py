@@ -434,12 +434,13 @@ class OutputFolder:
 
     # -- committing --------------------------------------------------------
 
-    def commit(self, rows: list[dict], wall_s: float) -> str:
-        """Durably add rows as one shard; returns its name."""
+    def commit(self, rows: list[dict], wall_s: float, warmup_s: float = 0.0) -> str:
+        """Durably add rows as one shard (``warmup_s``: the decoder's warm-up
+        within ``wall_s``); returns its name."""
         name = shard_name(self.writer, self._seq)
         data = serialize_shard(rows, self._schema)
         publish_shard(write_tmp_shard(self.path / name, data), self.path / name)
-        entry = LedgerEntry.from_rows(name, self.writer, rows, wall_s, bytes=len(data),
+        entry = LedgerEntry.from_rows(name, self.writer, rows, wall_s, warmup_s=round(warmup_s, 3), bytes=len(data),
                                       crc32=zlib.crc32(data), fingerprint=self._manifest.get("fingerprint"))
         self._append(entry)
         self._seq += 1

@@ -139,6 +139,10 @@ class _Buffer:
         self.commit_seconds = commit_seconds
         self.last_commit = time.perf_counter()
         self.committed = self.errors = self.tokens = 0
+        self.warmup_s = 0.0  # the decoder's warm-up, recorded with the next shard
+
+    def warmed(self, seconds: float) -> None:
+        self.warmup_s += seconds
 
     def add(self, row: dict) -> None:
         self.rows.append(row)
@@ -150,7 +154,8 @@ class _Buffer:
         if not self.rows:
             return
         now = time.perf_counter()
-        self.out.commit(self.rows, wall_s=now - self.last_commit)
+        self.out.commit(self.rows, wall_s=now - self.last_commit, warmup_s=self.warmup_s)
+        self.warmup_s = 0.0
         self.committed += len(self.rows)
         self.errors += sum(r["finish_reason"] == "error" for r in self.rows)
         self.tokens += sum(r["completion_tokens"] or 0 for r in self.rows)
@@ -316,7 +321,7 @@ def _run(config, engine, source, total, out, ranks, stream, log, version) -> Job
     started = time.perf_counter()
     with StopRequest() as stop:
         work = _work(source, config, preparer, out.done, rank, world, stop)
-        _decode(engine, config, work, finish, stop, log=progress.log)
+        _decode(engine, config, work, finish, stop, log=progress.log, warmed=buffer.warmed)
         buffer.flush()
         progress.close()
         if world > 1 and not stop.requested:
@@ -449,13 +454,19 @@ def _alone(engine, config, item: Work, finish, attempts: int = 2) -> None:
         _finish_result(finish, req, sample, None, failure)
 
 
-def _decode(engine, config, work, finish, stop, log=None) -> None:
+def _decode(engine, config, work, finish, stop, log=None, warmed=lambda seconds: None) -> None:
     """Rows decoded ``batch_size`` at once (`mtp_engine.decoder`): as one
     finishes, the next joins; a prompt's completions share its prefill. If
     a whole batch fails, its rows are redone in batches of their own, and
     after `BATCH_FAILURES_BEFORE_FALLBACK` such failures in a row every
     prompt is."""
     decoder = Decoder(engine, config.decode_config())
+    if config.warm_up or (config.warm_up is None and mx.default_device() != mx.cpu):
+        sampling = config.sampling()
+        seconds, shapes = decoder.warm_up(sampling if sampling.greedy else replace(sampling, seed=0))
+        warmed(seconds)
+        if log is not None:
+            log(f"warm-up: {shapes} step shapes (rows {', '.join(map(str, decoder.buckets))}) in {seconds:.1f} s")
     in_flight: dict[str, list] = {}  # id -> [Work, sample indices still running]
     failures = 0
 

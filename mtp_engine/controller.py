@@ -139,13 +139,14 @@ class Controller:
 
     # -- choosing -------------------------------------------------------------
 
-    def choose(self, rows: list[RowAcceptance], budgets: list[int]) -> int:
+    def choose(self, rows: list[RowAcceptance], budgets: list[int], places: int | None = None) -> int:
         """The step's draft depth, 0..k, for rows with these acceptances and
-        token budgets (tokens each may still emit)."""
+        token budgets (tokens each may still emit), in a step of ``places``
+        rows (default: these; more where finished rows keep their places)."""
         deepest = min(self.k, max(budgets) - 1)
         if deepest < 1:
             return self._chose(0)
-        costs = [self.cost(len(rows), d + 1) for d in range(deepest + 1)]
+        costs = [self.cost(places or len(rows), d + 1) for d in range(deepest + 1)]
         for d in (0, 1):  # plain steps and one draft are measured first
             if costs[d] is None:
                 return self._chose(d)

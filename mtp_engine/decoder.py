@@ -4,9 +4,11 @@ of one prompt, `generate_batch` many prompts; the job runner drives it too.
 
 Up to ``batch_size`` rows are in flight. A prompt joins after its prefill
 (chunks of ``prefill_step_size`` tokens into batch-of-one caches, then copied
-into the batch's caches: one row per sample, all sharing the prefill) and a
-row leaves as soon as it finishes (EOS, a stop string, its token budget); the
-next prompt joins without stopping the others. Each step:
+into the batch's caches: one row per sample, all sharing the prefill). A
+row's result is returned as soon as it finishes (EOS, a stop string, its
+token budget); its place stays, a *ghost* that steps on unread, until the
+next prompt takes it or the live rows fit a smaller bucket of `buckets`, so
+the steps' shapes come from a small set (`warm_up` meets them all). Each step:
 
 1. **Draft**: the drafter (`mtp_engine.drafters`) proposes each row's paths
    (one for chains, several for trees), at most K deep, a row near its
@@ -37,7 +39,7 @@ row; every other batch, mode and sampler drafts with the MLX head
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Hashable
 
 import mlx.core as mx
@@ -77,6 +79,12 @@ class _Row:
     trace: list[StepTrace] | None = None
     joined_at: float = field(default_factory=time.perf_counter)
     acceptance: RowAcceptance | None = None
+    ghost: bool = False  # finished: a place kept until a joining row takes it (`Decoder._compact`)
+
+    @property
+    def budget(self) -> int:
+        """Tokens it may still emit (none once it is a ghost)."""
+        return 0 if self.ghost else self.finisher.remaining
 
 
 @dataclass
@@ -127,11 +135,18 @@ class Decoder:
         self._ahead_logits: mx.array | None = None  # and its logits, while a row records a trace
         self._fed: list[bool] = []
         self._plain_steps = 0
+        size = decode.batch_size
+        self.buckets = sorted({1 << i for i in range(size.bit_length()) if 1 << i < size} | {size})
 
     @property
     def pending(self) -> int:
         """Rows queued or in flight (a queued prompt counts its samples)."""
-        return len(self.rows) + sum(len(q.samples) for q in self.queue)
+        return self.live + sum(len(q.samples) for q in self.queue)
+
+    @property
+    def live(self) -> int:
+        """Rows in flight (not counting ghosts)."""
+        return sum(not r.ghost for r in self.rows)
 
     def add(self, key: Hashable, prompt: str | list[int], samples: list[SamplingParams], *, max_tokens: int = 256,
             stop: str | list[str] | None = None, trace: bool = False) -> None:
@@ -153,9 +168,35 @@ class Decoder:
         self.queue.append(_Queued(key, ids, min(max_tokens, engine.context_length - len(ids)), stops,
                                   list(samples), trace))
 
+    def warm_up(self, sampling: SamplingParams) -> tuple[float, int]:
+        """Meet, before the first row, every step shape this decoder takes:
+        for each of `buckets`, rows of a short made-up prompt sampling as
+        ``sampling`` take plain steps and steps of each draft depth the mode
+        uses, each twice, so kernels compile and the controller's costs
+        (mode "auto") start measured. Returns ``(seconds, shapes met)``."""
+        t0 = time.perf_counter()
+        vocab = self.engine.text.args.vocab_size
+        prompt = [(7919 * i + 11) % vocab for i in range(16)]
+        depths = [0] * 3 if self.controller is not None or not self.k else []
+        depths += [d for d in (range(1, self.k + 1) if self.controller is not None else [self.k] if self.k else [])
+                   for _ in (0, 1)]
+        shapes = set()
+        for size in self.buckets:
+            warm = Decoder(self.engine, replace(self.decode, batch_size=size))
+            warm.add(None, prompt, [sampling] * size, max_tokens=sum(depths) + len(depths) + 1)
+            for depth in depths:
+                if warm.step(depth) or not warm.live:
+                    break  # a row finished early: its shape is met at the next bucket or in the job
+                shapes.add((size, depth))
+            if self.controller is not None:
+                self.controller.costs.update(warm.controller.costs)
+            warm.close()
+        mx.clear_cache()
+        return time.perf_counter() - t0, len(shapes)
+
     def drop_all(self) -> list[Hashable]:
         """Abandon every row queued or in flight; return their keys."""
-        keys = [r.key for r in self.rows] + [q.key for q in self.queue]
+        keys = [r.key for r in self.rows if not r.ghost] + [q.key for q in self.queue]
         self._keep([])
         self.queue = []
         return keys
@@ -164,31 +205,33 @@ class Decoder:
 
     # -- a step ---------------------------------------------------------------
 
-    def step(self) -> list[tuple[Hashable, GenerationResult]]:
+    def step(self, depth: int | None = None) -> list[tuple[Hashable, GenerationResult]]:
         """Admit queued rows, then one step for every row in flight; return
-        the rows that finished."""
+        the rows that finished. ``depth`` forces the step's drafts (0: a
+        plain step; `warm_up` uses it); by default the mode decides."""
         finished = self._admit()
+        self._compact()
         if not self.rows:
             return finished
-        if not self.k:
-            done = self._plain_step()
-        elif self.controller is None:
-            done = self._speculative_step(self.k)
-        else:
-            rows = self.rows
-            depth = self.controller.choose([r.acceptance for r in rows], [r.finisher.remaining for r in rows])
-            done = self._plain_step() if depth == 0 else self._flush() or self._speculative_step(depth)
-        if done:
-            finished += [(self.rows[b].key, self._result(self.rows[b])) for b in done]
-            finished += self._refill(done)
+        if depth is None and not self.k:
+            depth = 0
+        elif depth is None and self.controller is None:
+            depth = self.k
+        elif depth is None:
+            live = [r for r in self.rows if not r.ghost]
+            depth = self.controller.choose([r.acceptance for r in live], [r.budget for r in live], len(self.rows))
+        done = self._plain_step() if depth == 0 else self._flush() or self._speculative_step(depth)
+        for b in done:
+            finished.append((self.rows[b].key, self._result(self.rows[b])))
+            self.rows[b].ghost = True
         return finished
 
     def _speculative_step(self, k: int) -> list[int]:
         rows = self.rows
-        depth = min(k, max(r.finisher.remaining for r in rows) - 1)
+        depth = min(k, max(r.budget for r in rows) - 1)
         params = [r.sampling for r in rows]
         starts = [len(r.finisher.tokens) for r in rows]  # the generated position verify column 0 predicts
-        caps = [max(0, min(depth, r.finisher.remaining - 1)) for r in rows]
+        caps = [max(0, min(depth, r.budget - 1)) for r in rows]
         self.hooks.lap(None)
         t0 = time.perf_counter()
         proposal = self.drafter.propose(self.decode, depth, params, starts, caps) if depth > 0 else None
@@ -205,6 +248,9 @@ class Decoder:
             paths_of[o].append(i)
         done = []
         for b, (row, tokens) in enumerate(zip(rows, v.emitted)):
+            row.x = tokens[-1]
+            if row.ghost:
+                continue
             w = v.winners[b]
             mine = paths_of[b]
             s = row.stats
@@ -222,15 +268,15 @@ class Decoder:
                 row.trace.append(StepTrace([v.paths[i] for i in mine], v.accepted[w], mine.index(w), tokens,
                                            top_logits(v.logits[w, : len(tokens)])))
             row.finisher.add(tokens)
-            row.x = tokens[-1]
             if row.finisher.done:
                 done.append(b)
         if proposal is not None:
             self.drafter.commit(v.hidden, v.emitted, v.winners)
             self.hooks.lap("head_commit")
         if self.controller is not None and proposal is not None:
-            self.controller.observe_rows([r.acceptance for r in rows], [len(v.paths[w]) for w in v.winners],
-                                         [v.accepted[w] for w in v.winners])
+            live = [b for b, r in enumerate(rows) if not r.ghost]
+            self.controller.observe_rows([rows[b].acceptance for b in live], [len(v.paths[v.winners[b]]) for b in live],
+                                         [v.accepted[v.winners[b]] for b in live])
             self.controller.observe_step(len(rows), depth + 1, time.perf_counter() - t0)
         return done
 
@@ -271,6 +317,9 @@ class Decoder:
         tokens = self._ahead.tolist()
         for b, row in enumerate(rows):
             if self._fed[b]:
+                row.x = tokens[b][0]
+                if row.ghost:
+                    continue
                 s = row.stats
                 s.steps += 1
                 if s.depths:  # mode auto: a step of no drafts
@@ -280,7 +329,6 @@ class Decoder:
                 if row.trace is not None and self._ahead_logits is not None:
                     row.trace.append(StepTrace([[]], 0, 0, tokens[b], top_logits(self._ahead_logits[b])))
                 row.finisher.add(tokens[b])
-                row.x = tokens[b][0]
                 if row.finisher.done:
                     done.append(b)
         if self._ahead_hidden is not None:
@@ -307,38 +355,43 @@ class Decoder:
         greedy = all(p.greedy for p in samples)
         if self.drafter is not None and (greedy or self.drafter.name not in GREEDY_ONLY):
             return True
-        if self.rows or not self._own_drafter:
+        if self.live or not self._own_drafter:
             return False
+        self._keep([])
         engine = self.engine
         self.drafter = engine.make_drafter(engine.pick_drafter(self.decode.mode, self.decode.drafter, greedy))
         return True
 
     def _admit(self) -> list[tuple[Hashable, GenerationResult]]:
-        """Prefill queued prompts, one at a time, into free places (a prompt
-        with n samples needs n places, or an empty batch)."""
+        """Prefill queued prompts, one at a time, while the live rows and the
+        prompt's samples fit the batch (a prompt with n samples needs n
+        places, or an empty batch). A joining row takes a ghost's place
+        (writing only its own slice of the caches) or a new one at the end."""
         finished = []
+        replaced = False
         while self.queue and self._ready_for(self.queue[0].samples):
-            if self.rows and len(self.rows) + len(self.queue[0].samples) > self.decode.batch_size:
+            if self.live and self.live + len(self.queue[0].samples) > self.decode.batch_size:
                 break
-            finished += self._join(self.queue.pop(0), [])
-        return finished
-
-    def _refill(self, done: list[int]) -> list[tuple[Hashable, GenerationResult]]:
-        """The rows ``done`` leave: queued prompts take their places while
-        they fit (each joining row writes only its own slice of the batch's
-        caches), the places left over are dropped."""
-        free = list(done)
-        finished = []
-        while free and self.queue and len(self.queue[0].samples) <= len(free) and self._ready_for(self.queue[0].samples):
+            free = [b for b, r in enumerate(self.rows) if r.ghost]
+            replaced |= bool(free)
             finished += self._join(self.queue.pop(0), free)
-        if len(free) < len(done):
+        if replaced:
             self.hooks.lap(None)
             trim_leading(self.caches, BatchKVCache.step)  # entries only rows that left attended
             self.hooks.lap("join", states=self.caches)
-        if free:
-            self._keep([b for b in range(len(self.rows)) if b not in set(free)])
-            self.hooks.lap("leave", states=self.caches)
         return finished
+
+    def _compact(self) -> None:
+        """Drop ghosts down to the smallest of `buckets` that holds the live
+        rows: a finished row keeps its place until a joining row takes it or
+        the batch shrinks a bucket, so the steps' row counts come from a
+        small set (each new verify shape has a first-use cost on a GPU)."""
+        live = [b for b, r in enumerate(self.rows) if not r.ghost]
+        size = min((n for n in self.buckets if n >= len(live)), default=len(live)) if live else 0
+        if len(self.rows) > size:
+            ghosts = [b for b, r in enumerate(self.rows) if r.ghost][: size - len(live)]
+            self._keep(sorted(live + ghosts))
+            self.hooks.lap("leave", states=self.caches)
 
     def _join(self, q: _Queued, free: list[int]) -> list[tuple[Hashable, GenerationResult]]:
         """Prefill one queued prompt; each of its rows takes a place from

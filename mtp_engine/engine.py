@@ -179,8 +179,9 @@ class MTPEngine:
                 `PromptTooLongError` for a prompt over the context.
         """
         decode, values = self.configs(decode, sampling, **shortcuts)
-        return self._run([prompt], replace(decode, batch_size=1), [[make_sampling(**values)]], [max_tokens], stop,
-                         trace)[0][0]
+        (_, result), = self._decode([prompt], replace(decode, batch_size=1), [[make_sampling(**values)]],
+                                    [max_tokens], stop, trace)
+        return result
 
     def generate_samples(self, prompt: str | list[int], *, seeds: list[int | None],
                          decode: DecodeConfig | None = None, sampling: SamplingParams | None = None,
@@ -193,8 +194,8 @@ class MTPEngine:
             raise ValueError(f"seeds must be a non-empty list, got {seeds!r}")
         decode, values = self.configs(decode, sampling, **shortcuts)
         samples = [make_sampling(**{**values, "seed": seed}) for seed in seeds]
-        return self._run([prompt], replace(decode, batch_size=len(samples)), [samples], [max_tokens], stop,
-                         trace)[0]
+        rows = self._decode([prompt], replace(decode, batch_size=len(samples)), [samples], [max_tokens], stop, trace)
+        return [result for _, result in sorted(rows, key=lambda row: row[0])]
 
     def generate_batch_iter(self, prompts: list[str | list[int]], *, decode: DecodeConfig | None = None,
                             sampling: SamplingParams | None = None, max_tokens: int | list[int] = 256,
@@ -224,15 +225,9 @@ class MTPEngine:
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         decode, values = self.configs(decode, sampling, **shortcuts)
-        decoder = Decoder(self, decode)
-        for i, (prompt, budget, s) in enumerate(zip(prompts, budgets, seeds)):
-            decoder.add(i, prompt, [make_sampling(**{**values, "seed": s})], max_tokens=budget, stop=stop)
-        try:
-            while decoder.pending:
-                for (i, _), result in decoder.step():
-                    yield i, result
-        finally:
-            decoder.close()
+        samples = [[make_sampling(**{**values, "seed": s})] for s in seeds]
+        for (i, _), result in self._decode(prompts, decode, samples, budgets, stop, False):
+            yield i, result
 
     def generate_batch(self, prompts: list[str | list[int]], **kwargs) -> list[GenerationResult]:
         """`generate_batch_iter`'s results, in input order."""
@@ -241,17 +236,17 @@ class MTPEngine:
             results[i] = result
         return results
 
-    def _run(self, prompts, decode: DecodeConfig, samples: list[list[SamplingParams]], budgets: list[int],
-             stop, trace: bool) -> list[list[GenerationResult]]:
-        """Every prompt's completions (one per sample), in order."""
+    def _decode(self, prompts, decode: DecodeConfig, samples: list[list[SamplingParams]], budgets: list[int],
+                stop, trace: bool) -> Iterator[tuple[tuple[int, int], GenerationResult]]:
+        """``((prompt, sample), result)`` as rows finish, one decoder for all."""
         decoder = Decoder(self, decode)
         for i, (prompt, params, budget) in enumerate(zip(prompts, samples, budgets)):
             decoder.add(i, prompt, params, max_tokens=budget, stop=stop, trace=trace)
-        out = [[None] * len(params) for params in samples]
-        while decoder.pending:
-            for (i, j), result in decoder.step():
-                out[i][j] = result
-        return out
+        try:
+            while decoder.pending:
+                yield from decoder.step()
+        finally:
+            decoder.close()
 
     def prefill(self, ids: list[int], caches: list, keep_hidden: bool) -> tuple[mx.array | None, mx.array]:
         """Feed the prompt as mlx-lm's ``generate_step`` does (chunks of all but

@@ -115,34 +115,21 @@ class EngineOptions:
 
     def __post_init__(self):
         for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "few_rows":
-                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 256:
-                    raise ValueError(f"few_rows must be an int in 0..256, got {value!r}")
-            elif f.name == "moe_sort_min":
-                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                    raise ValueError(f"moe_sort_min must be a positive int or None, got {value!r}")
-            elif f.type == "bool | None":
-                if value is not None and not isinstance(value, bool):
-                    raise ValueError(f"{f.name} must be True, False or None, got {value!r}")
-            elif not isinstance(value, bool):
-                raise ValueError(f"{f.name} must be True or False, got {value!r}")
+            value, kind = getattr(self, f.name), _KINDS.get(f.name, f.type)
+            if kind == "count":
+                ok = not isinstance(value, bool) and isinstance(value, int) and 0 <= value <= 256
+            elif kind == "count | None":
+                ok = value is None or (not isinstance(value, bool) and isinstance(value, int) and value >= 1)
+            else:
+                ok = isinstance(value, bool) or (value is None and kind == "bool | None")
+            if not ok:
+                raise ValueError(f"{f.name} must be {_EXPECTED[kind]}, got {value!r}")
 
     @classmethod
     def from_env(cls, **overrides) -> "EngineOptions":
         """Defaults, then the declared environment variables, then ``overrides``."""
-        values: dict = {}
-        for name, (field_name, _) in ENVIRONMENT.items():
-            text = os.environ.get(name)
-            if text is None or text == "":
-                continue
-            if field_name == "few_rows":
-                try:
-                    values[field_name] = int(text)
-                except ValueError:
-                    raise ValueError(f"{name} must be an integer, got {text!r}") from None
-            else:
-                values[field_name] = parse_bool(name, text)
+        values = {name: _parse(name, os.environ[var], var) for var, (name, _) in ENVIRONMENT.items()
+                  if os.environ.get(var)}
         return cls(**values).with_switches(**overrides)
 
     def with_switches(self, **switches) -> "EngineOptions":
@@ -160,19 +147,31 @@ class EngineOptions:
         default of the None-able ones, an integer for ``few_rows``."""
         name, sep, value = text.partition("=")
         name = name.strip().replace("-", "_")
-        types = {f.name: f.type for f in fields(cls)}
-        if not sep or name not in types:
-            raise ValueError(f"--fast-path takes NAME=VALUE with NAME one of {', '.join(types)}; got {text!r}")
-        if name in ("few_rows", "moe_sort_min"):
-            if name == "moe_sort_min" and value.strip().lower() == "auto":
-                return name, None
-            try:
-                return name, int(value)
-            except ValueError:
-                raise ValueError(f"{name} must be an integer, got {value!r}") from None
-        if types[name] == "bool | None" and value.strip().lower() == "auto":
-            return name, None
-        return name, parse_bool(name, value)
+        if not sep or name not in {f.name for f in fields(cls)}:
+            raise ValueError(f"--fast-path takes NAME=VALUE with NAME one of "
+                             f"{', '.join(f.name for f in fields(cls))}; got {text!r}")
+        return name, _parse(name, value)
+
+
+_KINDS = {"few_rows": "count", "moe_sort_min": "count | None"}
+_EXPECTED = {"count": "an int in 0..256", "count | None": "a positive int or None",
+             "bool": "True or False", "bool | None": "True, False or None"}
+
+
+def _parse(name: str, text: str, label: str | None = None) -> int | bool | None:
+    """A field's value from text (``label``, default the field's name, names
+    it in errors): an integer for counts, a boolean for switches, ``auto``
+    (None) where the field takes None."""
+    label = label or name
+    kind = _KINDS.get(name) or next(f.type for f in fields(EngineOptions) if f.name == name)
+    if kind.endswith("None") and text.strip().lower() == "auto":
+        return None
+    if kind.startswith("count"):
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{label} must be an integer, got {text!r}") from None
+    return parse_bool(label, text)
 
 
 @dataclass(frozen=True)

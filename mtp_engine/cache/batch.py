@@ -91,19 +91,25 @@ class BatchKVCache:
         return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
 
     def _reserve(self, keys: mx.array, values: mx.array, n: int) -> None:
-        if self.keys is not None and self.idx + n <= self.keys.shape[2]:
-            return
-        B, heads, _, k_dim = keys.shape
-        grow = (n + self.step - 1) // self.step * self.step
-        new_k = mx.zeros((B, heads, grow, k_dim), keys.dtype)
-        new_v = mx.zeros((B, heads, grow, values.shape[3]), values.dtype)
-        new_valid = mx.zeros((B, grow), dtype=mx.bool_)
         if self.keys is None:
-            self.keys, self.values, self.valid = new_k, new_v, new_valid
-        else:
-            self.keys = mx.concatenate([self.keys[..., : self.idx, :], new_k], axis=2)
-            self.values = mx.concatenate([self.values[..., : self.idx, :], new_v], axis=2)
-            self.valid = mx.concatenate([self.valid[:, : self.idx], new_valid], axis=1)
+            self._start(keys, values)
+        if self.idx + n > self.keys.shape[2]:
+            self._pad(entries=(n + self.step - 1) // self.step * self.step)
+
+    def _start(self, keys: mx.array, values: mx.array) -> None:
+        """Empty buffers for every row, of ``keys``/``values``' heads, widths and dtypes."""
+        B, heads = len(self.positions), keys.shape[1]
+        self.keys = mx.zeros((B, heads, 0, keys.shape[3]), keys.dtype)
+        self.values = mx.zeros((B, heads, 0, values.shape[3]), values.dtype)
+        self.valid = mx.zeros((B, 0), dtype=mx.bool_)
+
+    def _pad(self, rows: int = 0, entries: int = 0) -> None:
+        """Keep the ``idx`` entries written so far, plus zeros: ``rows`` more
+        rows (all holes) or ``entries`` more entries (not yet valid)."""
+        widths = [(0, rows), (0, 0), (0, entries), (0, 0)]
+        self.keys = mx.pad(self.keys[..., : self.idx, :], widths)
+        self.values = mx.pad(self.values[..., : self.idx, :], widths)
+        self.valid = mx.pad(self.valid[:, : self.idx], widths[::2])
 
     @property
     def state(self):
@@ -151,12 +157,7 @@ class BatchKVCache:
         of holes, then filled as `replace_row` fills one."""
         self.positions.append(0)
         if self.keys is not None:
-            B, heads = self.keys.shape[:2]
-            self.keys = mx.concatenate([self.keys[..., : self.idx, :],
-                                        mx.zeros((1, heads, self.idx, self.keys.shape[3]), self.keys.dtype)])
-            self.values = mx.concatenate([self.values[..., : self.idx, :],
-                                          mx.zeros((1, heads, self.idx, self.values.shape[3]), self.values.dtype)])
-            self.valid = mx.concatenate([self.valid[:, : self.idx], mx.zeros((1, self.idx), dtype=mx.bool_)])
+            self._pad(rows=1)
         self.replace_row(len(self.positions) - 1, keys, values, length)
 
     def replace_row(self, row: int, keys: mx.array | None, values: mx.array | None, length: int) -> None:
@@ -198,21 +199,10 @@ class BatchKVCache:
     def _shift_to(self, idx: int, keys: mx.array, values: mx.array) -> None:
         """Move the write index up to ``idx``; the rows so far get holes."""
         if self.keys is None:
-            heads, dim_k, dim_v = keys.shape[1], keys.shape[3], values.shape[3]
-            B = len(self.positions)
-            self.keys = mx.zeros((B, heads, 0, dim_k), keys.dtype)
-            self.values = mx.zeros((B, heads, 0, dim_v), values.dtype)
-            self.valid = mx.zeros((B, 0), dtype=mx.bool_)
-        gap = idx - self.idx
-        B, heads = self.keys.shape[:2]
-        self.keys = mx.concatenate(
-            [self.keys[..., : self.idx, :], mx.zeros((B, heads, gap, self.keys.shape[3]), self.keys.dtype)], axis=2)
-        self.values = mx.concatenate(
-            [self.values[..., : self.idx, :], mx.zeros((B, heads, gap, self.values.shape[3]), self.values.dtype)],
-            axis=2)
-        self.valid = mx.concatenate([self.valid[:, : self.idx], mx.zeros((B, gap), dtype=mx.bool_)], axis=1)
+            self._start(keys, values)
+        self._pad(entries=idx - self.idx)
         self.idx = idx
-        if B > 1:  # the other rows (the caller fills one) start with a gap
+        if len(self.positions) > 1:  # the other rows (the caller fills one) start with a gap
             self.holes = True
 
     def take(self, rows: list[int]) -> "BatchKVCache":

@@ -321,10 +321,15 @@ def warm_up(engine, prompts, batch_sizes, draft_tokens, single_k, profile=None) 
       head's narrower pending widths and the short verify forwards of rows
       near their budgets.
 
+    - mode auto's steps of every width up to the deepest K at every bucket
+      of rows (`Decoder.warm_up`).
+
     Then one-at-a-time decoding and each single-sequence chain on the
     first prompt, 16 tokens."""
     deepest = max(draft_tokens, default=0)
     for b in batch_sizes:
+        if deepest:  # mode auto's steps: every bucket of rows at every width (`Decoder.warm_up`)
+            Decoder(engine, DecodeConfig(mode="auto", draft_tokens=deepest, batch_size=b)).warm_up(GREEDY)
         rows = [prompts[i % len(prompts)] for i in range(b)]
         plain = run_batched(engine, rows, _one_leaving_a_step(b, deepest), b, 0)
         for k in draft_tokens:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import io
 import json
+import re
 import shutil
 
 import datasets
@@ -12,8 +13,9 @@ import pyarrow as pa
 import pytest
 
 from jobs.config import DEFAULT_BATCH_SIZE, ConfigError, JobConfig
-from jobs.output import FingerprintMismatch, OutputError
+from jobs.output import FingerprintMismatch, OutputError, read_all_ledgers
 from jobs.runner import run_job
+from jobs.status import print_status
 from mtp_engine import MTPEngine
 from tests.jobs.conftest import PROMPT_TEXTS, job_config, prompt_rows, write_jsonl
 
@@ -339,3 +341,26 @@ def test_batched_speculation_writes_the_rows_one_at_a_time_writes(tmp_path, job_
         for col in ("completion", "completion_tokens", "finish_reason", "prompt_tokens"):
             assert single[rid][col] == batched[rid][col], (rid, col)
         assert batched[rid]["acceptance"]["mode"] == "chain" and batched[rid]["acceptance"]["steps"] >= 1
+
+
+def test_a_warm_up_is_logged_and_reported_as_the_jobs_first_use_cost(tmp_path, job_model, job_engine):
+    """On a GPU a job meets its step shapes before the first row (here
+    asked for on the CPU); the log says how long it took, the first shard's
+    ledger entry records it and ``jobs status`` reports it."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(5))
+    log = io.StringIO()
+    run_job(job_config(dataset, job_model, tmp_path / "out", mode="auto", max_tokens=12, batch_size=4,
+                       warm_up=True), engine=job_engine, stream=log)
+    assert re.search(r"warm-up: 12 step shapes \(rows 1, 2, 4\) in \d+\.\d s", log.getvalue())
+    entries = read_all_ledgers(tmp_path / "out")
+    assert entries[0].warmup_s > 0 and all(e.warmup_s == 0 for e in entries[1:])
+    out = io.StringIO()
+    assert print_status(tmp_path / "out", stream=out) == 0
+    assert re.search(r"first use: \d+\.\d s warming up the decoder's step shapes \(\d+\.\d% of the work time\)",
+                     out.getvalue())
+    log = io.StringIO()
+    run_job(job_config(dataset, job_model, tmp_path / "cpu", max_tokens=12), engine=job_engine, stream=log)
+    assert "warm-up" not in log.getvalue()  # the CPU's default: no first-use costs to meet
+    out = io.StringIO()
+    print_status(tmp_path / "cpu", stream=out)
+    assert "first use: no warm-up recorded" in out.getvalue()

@@ -20,6 +20,7 @@ from mtp_engine.decoder import Decoder
 from mtp_engine.io.tiny import tiny_config
 from mtp_engine.modes import DecodeConfig
 from mtp_engine.sampling import GREEDY
+from mtp_engine.verify import verify
 from mtp_engine.tools.phases import PHASES, PhaseTimer
 from mtp_engine.tools.projection import ProjectedDrafts, ProjectingDrafter, parse_profile, project_rows
 from tests.conftest import PROMPTS
@@ -113,12 +114,13 @@ def test_every_row_equals_plain_decoding_of_its_prompt_alone(models, name, batch
     decoder = Decoder(engine, DecodeConfig(mode=mode, draft_tokens=k, batch_size=batch, drafter=drafter))
     for i, row in enumerate(rows):
         decoder.add(i, row["ids"], [GREEDY], max_tokens=row["max_tokens"], stop=row["stop"])
-    results, max_in_flight = {}, 0
+    results, sizes = {}, set()
     while decoder.pending:
         finished = decoder.step()
         results.update({key: r for (key, _), r in finished})
-        max_in_flight = max(max_in_flight, len(decoder.rows))
-    assert max_in_flight == min(batch, len(rows))  # rows joined as others left
+        sizes.add(len(decoder.rows))
+    assert max(sizes) == min(batch, len(rows))  # rows joined as others left
+    assert sizes <= set(decoder.buckets) | {len(rows)}  # finished rows kept their places down to a bucket
     outcomes = [check_row(results[i], row, engine.eos_token_ids, engine) for i, row in enumerate(rows)]
     reasons = {r.finish_reason for r in results.values()}
     with capsys.disabled():
@@ -131,6 +133,34 @@ def test_every_row_equals_plain_decoding_of_its_prompt_alone(models, name, batch
         eos = engine.eos_token_ids
         assert any(r.finish_reason == "stop" and not rows[i]["stop"] and rows[i]["ref"][len(r.tokens)] in eos
                    for i, r in results.items())
+
+
+def test_warm_up_meets_every_step_shape_of_the_job_and_changes_no_token(models, monkeypatch):
+    """Mode auto's warm-up steps every bucket of rows at every width once
+    (twice: the controller's costs start measured); the decoding after it
+    meets no verify shape the warm-up did not, and its rows are plain
+    decoding's."""
+    engine, reference = models["l4_fai4_kv2_e4k2"]
+    decoder = Decoder(engine, DecodeConfig(mode="auto", draft_tokens=3, batch_size=6))
+    seconds, shapes = decoder.warm_up(GREEDY)
+    assert decoder.buckets == [1, 2, 4, 6] and shapes == 4 * 4 and seconds > 0 and not decoder.rows
+    measured = {shape for shape, (_, counted, _) in decoder.controller.costs.items() if counted}
+    assert measured == {(decoder.controller.bucket(b), w) for b in decoder.buckets for w in range(1, 5)}
+    met = []
+
+    def spy(trunk, lm_head, caches, xs, proposal, *args):
+        met.append((xs.shape[0], proposal.tokens.shape[1] + 1))
+        return verify(trunk, lm_head, caches, xs, proposal, *args)
+
+    monkeypatch.setattr("mtp_engine.decoder.verify", spy)
+    rows = rows_for(engine, reference)
+    for i, row in enumerate(rows):
+        decoder.add(i, row["ids"], [GREEDY], max_tokens=row["max_tokens"], stop=row["stop"])
+    results = {}
+    while decoder.pending:
+        results.update({key: r for (key, _), r in decoder.step()})
+    assert met and set(met) <= {(b, w) for b in decoder.buckets for w in range(2, 5)}
+    assert all(check_row(results[i], row, engine.eos_token_ids, engine) == "identical" for i, row in enumerate(rows))
 
 
 def test_a_row_does_not_depend_on_the_rows_beside_it(models):
