@@ -149,6 +149,10 @@ def _generate(args) -> int:
         return EXIT_USAGE
     try:
         summary = run_distributed_or_local(config)
+    except KeyboardInterrupt:  # Ctrl-C before decoding started (loading the model, opening the folder)
+        print("interrupted before decoding started; rows committed earlier are intact", file=sys.stderr)
+        print(f"resume with: {resume_hint()}", file=sys.stderr)
+        return EXIT_SIGINT
     except (FileNotFoundError, CheckpointError, DatasetError, OutputError, ConfigError, FolderInUse) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED

@@ -113,6 +113,14 @@ class JobConfig:
     warm_up: bool | None = None
 
     def __post_init__(self):
+        for f in fields(self):  # a config file's "false" is not a boolean, 5 is not a list of stop strings
+            value = getattr(self, f.name)
+            kind, optional = f.type.removesuffix(" | None"), f.type.endswith(" | None")
+            if value is None and optional:
+                continue
+            expected = _EXPECTED_TYPES.get(kind)
+            if expected is not None and not _is(value, kind):
+                raise ConfigError(f"{f.name} must be {expected}{' (or unset)' if optional else ''}, got {value!r}")
         for name in ("dataset", "model", "output", "prompt_field", "messages_field", "id_field"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
@@ -225,6 +233,29 @@ class JobConfig:
         d["stop"] = list(self.stop)
         d["fast_paths"] = dict(self.fast_paths)
         return d
+
+
+_EXPECTED_TYPES = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
+                   "tuple[str, ...]": "a string or a list of strings",
+                   "tuple[tuple[str, object], ...]": "a mapping or a list of NAME=VALUE strings"}
+
+
+def _is(value, kind: str) -> bool:
+    """Whether ``value`` has the field type ``kind`` (a config file's or
+    flag's form of it: lists for tuples, an int for a float)."""
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if kind == "int":
+        return isinstance(value, int)
+    if kind == "float":
+        return isinstance(value, (int, float))
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "tuple[str, ...]":
+        return isinstance(value, (str, list, tuple))
+    return isinstance(value, (dict, list, tuple))
 
 
 def _fast_path_pairs(value) -> tuple[tuple[str, object], ...]:

@@ -14,6 +14,7 @@ count and CRC-32, the job's fingerprint and totals. A ledger repairs itself:
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -185,7 +186,7 @@ class Ledger:
         """Append one line durably. If the write fails part-way, the file is
         cut back to its length before it, then the error is raised."""
         line = entry.line()
-        with open(self.path, "ab") as f:
+        with open_plain(self.path, "ab") as f:
             start = f.seek(0, os.SEEK_END)
             try:
                 f.write(line)
@@ -198,7 +199,7 @@ class Ledger:
     def rewrite(self, entries: list[LedgerEntry]) -> None:
         """Replace the whole ledger atomically (temp file, fsync, rename)."""
         tmp = self.path.with_name(f".tmp-{self.path.name}")
-        with open(tmp, "wb") as f:
+        with open_plain(tmp, "wb") as f:
             f.write(b"".join(e.line() for e in entries))
             f.flush()
             os.fsync(f.fileno())
@@ -217,9 +218,27 @@ def _rollback(f, length: int) -> None:
 
 
 def _truncate(path: Path, length: int) -> None:
-    with open(path, "r+b") as f:
+    with open_plain(path, "r+b") as f:
         os.ftruncate(f.fileno(), length)
         os.fsync(f.fileno())
+
+
+def open_plain(path: Path, mode: str):
+    """``open(path, mode)`` for writing a job folder's file, never through a
+    symbolic link (one planted in the folder would make the write land
+    outside it): a link is an OSError naming the file."""
+    return open(path, mode, opener=open_fd)
+
+
+def open_fd(path, flags: int) -> int:
+    """`os.open` with ``O_NOFOLLOW`` and a clear error for a link."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "it is a symbolic link, and a job folder's files must be plain files "
+                          "(remove the link)", str(path)) from None
+        raise
 
 
 def fsync_dir(path: Path) -> None:

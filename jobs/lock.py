@@ -23,6 +23,8 @@ from pathlib import Path
 
 import orjson
 
+from jobs.ledger import open_fd
+
 LOCK_FILE = ".lock"
 
 
@@ -40,7 +42,7 @@ class FolderLock:
 
     def acquire(self, token: str) -> None:
         """Take the lock or raise `FolderInUse` naming the holder."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_fd(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

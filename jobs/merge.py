@@ -135,5 +135,8 @@ def merge_outputs(inputs: list[Path], output: Path) -> int:
     except (MergeError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # the file system refused: a part of --output is a file, permissions, a full disk
+        print(f"error: {e.strerror or e} ({e.filename})" if e.filename else f"error: {e}", file=sys.stderr)
+        return 1
     print(f"merged {len(inputs)} folders: {rows} rows -> {output}", file=sys.stderr)
     return 0

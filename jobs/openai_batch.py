@@ -26,7 +26,7 @@ from pathlib import Path
 import orjson
 import pyarrow as pa
 
-from jobs.output import MANIFEST, OutputError, check_shard, read_all_ledgers
+from jobs.output import OutputError, check_shard, read_all_ledgers, read_manifest
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "n", "stop")
@@ -120,12 +120,7 @@ def _text_message(i: int, m) -> dict:
 
 def _committed_rows(folder: Path) -> tuple[dict, list[dict]]:
     """The manifest and every committed row of an intact job folder."""
-    try:
-        manifest = orjson.loads((folder / MANIFEST).read_bytes())
-    except FileNotFoundError:
-        raise OutputError(f"{folder} is not a job output folder (no {MANIFEST})") from None
-    except orjson.JSONDecodeError as e:
-        raise OutputError(f"{folder / MANIFEST} is corrupt ({e}); resume the job once to rebuild it") from None
+    manifest = read_manifest(folder)
     rows = []
     for entry in read_all_ledgers(folder):
         problem = check_shard(folder, entry, checksum=True)
@@ -144,6 +139,9 @@ def export(folder: Path, output: Path) -> tuple[int, int]:
     error row is written as an error line. Returns (lines written, prompts
     left out because some completions are not committed yet).
     """
+    if output.resolve().parent == folder.resolve() or folder.resolve() in output.resolve().parents:
+        raise OutputError(f"--output {output} is inside the job folder {folder}, whose files only the job "
+                          "writes; choose a path outside it")
     manifest, rows = _committed_rows(folder)
     model = manifest.get("model", {}).get("name", "")
     n_job = manifest.get("config", {}).get("n", 1)

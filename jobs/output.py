@@ -44,7 +44,7 @@ import pyarrow as pa
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from jobs.config import describe_changes, output_parts
-from jobs.ledger import Ledger, LedgerEntry, LedgerState, Totals, fsync_dir
+from jobs.ledger import Ledger, LedgerEntry, LedgerState, Totals, fsync_dir, open_plain
 from jobs.lock import FolderLock
 from schemas.arrow import (
     COMPLETION_SCHEMA,
@@ -137,6 +137,42 @@ def serialize_shard(rows: list[dict], schema: pa.Schema = COMPLETION_SCHEMA) -> 
     return sink.getvalue().to_pybytes()
 
 
+def entry_from_shard(path: Path, fingerprint: str | None) -> LedgerEntry:
+    """A ledger entry rebuilt from a shard file, which carries its rows'
+    ids (size, CRC-32 and totals recomputed; `repair` and a resume's
+    adoption use it).
+
+    Raises:
+        pa.ArrowInvalid, OSError, KeyError: The shard is unreadable.
+    """
+    data = path.read_bytes()
+    records = pa.ipc.open_stream(pa.BufferReader(data)).read_all().to_pylist()
+    writer = SHARD_PATTERN.match(path.name)["writer"]
+    entry = LedgerEntry.from_rows(path.name, writer, records, 0.0, bytes=len(data), crc32=zlib.crc32(data),
+                                  fingerprint=fingerprint)
+    entry.committed_at = path.stat().st_mtime
+    return entry
+
+
+def read_manifest(folder: Path) -> dict:
+    """A job folder's manifest, for the commands that read a folder
+    (status, export).
+
+    Raises:
+        OutputError: No manifest, or one that is not a JSON object.
+    """
+    try:
+        manifest = orjson.loads((folder / MANIFEST).read_bytes())
+    except FileNotFoundError:
+        raise OutputError(f"{folder} is not a job output folder (no {MANIFEST})") from None
+    except orjson.JSONDecodeError as e:
+        raise OutputError(f"{folder / MANIFEST} is corrupt ({e}); rerun the job's command to rebuild it") from None
+    if not isinstance(manifest, dict):
+        raise OutputError(f"{folder / MANIFEST} is corrupt (a JSON {type(manifest).__name__}, not an object); "
+                          "rerun the job's command to rebuild it")
+    return manifest
+
+
 def folder_schema_version(folder: Path) -> int | None:
     """The output schema version of the results in a folder (its
     manifest's), or None for a new folder or an unreadable manifest."""
@@ -152,7 +188,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     """Write a small file so readers see the old or the new content, never a mix."""
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
+        with open_plain(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -167,7 +203,7 @@ def write_atomic(path: Path, data: bytes) -> None:
 def write_tmp_shard(path: Path, data: bytes) -> Path:
     """Write a shard's bytes to its temporary name, fsynced; returns that path."""
     tmp = path.with_name(f".tmp-{path.name}")
-    with open(tmp, "wb") as f:
+    with open_plain(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -273,6 +309,7 @@ class OutputFolder:
             self._check_dataset(old, manifest, allow_dataset_change)
             write_atomic(self.path / MANIFEST, orjson.dumps(self._manifest, option=orjson.OPT_INDENT_2))
             self._repair_ledgers()
+            self._adopt_viewed_shards()
             self._remove_leftovers()
             self._verify_shards(checksum=True)
             self._start()
@@ -310,6 +347,8 @@ class OutputFolder:
                                   f"{MANIFEST}; choose an empty or new folder")
             if overwrite or foreign:
                 self._delete_results()
+            elif ledgers(self.path):  # results without their manifest: adopted only if they are this job's
+                return self._rebuilt_manifest(manifest, "missing")
             return {}
         try:
             old = orjson.loads(path.read_bytes())
@@ -319,7 +358,7 @@ class OutputFolder:
             if overwrite:
                 self._delete_results()
                 return {}
-            return self._rebuilt_manifest(manifest, e)
+            return self._rebuilt_manifest(manifest, f"corrupt ({e})")
         if old["fingerprint"] != manifest["fingerprint"]:
             if overwrite:
                 self._delete_results()
@@ -342,16 +381,16 @@ class OutputFolder:
             return {}
         return old
 
-    def _rebuilt_manifest(self, manifest: dict, why: Exception) -> dict:
-        """A corrupt manifest: rebuilt when every ledger entry carries this
-        job's fingerprint, else refused."""
+    def _rebuilt_manifest(self, manifest: dict, state: str) -> dict:
+        """A corrupt or missing manifest (``state`` says which): rebuilt
+        when every ledger entry carries this job's fingerprint, else refused."""
         prints = {e.fingerprint for e in read_all_ledgers(self.path)}
         if prints <= {manifest["fingerprint"]}:
-            self.log(f"repair: {MANIFEST} was corrupt ({why}); rebuilt it for this job "
+            self.log(f"repair: {MANIFEST} was {state}; rebuilt it for this job "
                      f"({'its ledgers carry this job fingerprint' if prints else 'no rows were committed'})")
             return {}
         raise OutputError(
-            f"{self.path / MANIFEST} is corrupt ({why}) and the folder's ledgers were written by another "
+            f"{self.path / MANIFEST} is {state} and the folder's ledgers were written by another "
             f"job configuration (fingerprint {', '.join(sorted(map(str, prints)))}, this job "
             f"{manifest['fingerprint']}); rerun with the settings it was written with, or --overwrite"
         )
@@ -379,6 +418,29 @@ class OutputFolder:
                 self.log(f"repair: cut {cut} bytes after the last complete line of {ledger.path.name} "
                          "(an interrupted or damaged write)")
 
+    def _adopt_viewed_shards(self) -> None:
+        """Shards the views list but no ledger does (a commit interrupted
+        between the two; readers already saw their rows): each readable one
+        gets its ledger line back, rebuilt from its rows."""
+        try:
+            files = orjson.loads((self.path / "state.json").read_bytes())["_data_files"]
+            viewed = {f["filename"] for f in files}
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        listed = {e.shard for e in read_all_ledgers(self.path)}
+        for name in sorted(viewed - listed):
+            path = self.path / name
+            if not SHARD_PATTERN.match(name) or not path.is_file() or path.is_symlink():
+                continue
+            try:
+                entry = entry_from_shard(path, self._manifest.get("fingerprint"))
+            except (pa.ArrowInvalid, OSError, KeyError) as e:
+                self.log(f"repair: shard {name} was in the views but is unreadable ({e}); its rows will be redone")
+                continue
+            Ledger(ledger_path(self.path, entry.writer)).append(entry)
+            self.log(f"repair: shard {name} ({entry.rows} rows) was committed to the views but not to its "
+                     "ledger (an interrupted commit); its ledger line is rebuilt")
+
     def _remove_leftovers(self) -> None:
         """Temporary files and shards no ledger lists (a commit interrupted
         between rename and ledger line; their rows were never done)."""
@@ -393,10 +455,16 @@ class OutputFolder:
         """Quarantine listed shards that are not what their ledger recorded,
         and shards repeating ids of earlier ones; strike their entries."""
         seen: set[str] = set()
+        shards: set[str] = set()
         for ledger in ledgers(self.path):
             entries = ledger.read().entries
             keep, changed = [], False
             for e in entries:
+                if e.shard in shards:  # a repeated line: the shard is listed (and checked) once
+                    self.log(f"repair: {ledger.path.name} listed shard {e.shard} again; dropped the repeat")
+                    changed = True
+                    continue
+                shards.add(e.shard)
                 problem = check_shard(self.path, e, checksum)
                 if problem is None and seen & set(e.keys()):
                     problem = "it repeats rows (id and sample) of an earlier shard"
@@ -442,29 +510,33 @@ class OutputFolder:
         publish_shard(write_tmp_shard(self.path / name, data), self.path / name)
         entry = LedgerEntry.from_rows(name, self.writer, rows, wall_s, warmup_s=round(warmup_s, 3), bytes=len(data),
                                       crc32=zlib.crc32(data), fingerprint=self._manifest.get("fingerprint"))
+        # The views list the shard before the ledger does: a process killed
+        # (or a disk filled) between the two leaves the rows readable, and
+        # the next open adopts the shard (`_adopt_viewed_shards`).
+        self.refresh_views(entry)
         self._append(entry)
         self._seq += 1
-        self.refresh_views()
         return name
 
     @_retry_io
     def _append(self, entry: LedgerEntry) -> None:
         self.ledger.append(entry)
 
-    def refresh_views(self) -> None:
+    def refresh_views(self, pending: LedgerEntry | None = None) -> None:
         """state.json, dataset_info.json and the manifest, from all ledgers
-        (other writers' too); the done ids and totals follow them. Writers
-        take turns (a lock file), so the last view written is never older
-        than another writer's."""
-        with open(self.path / ".views.lock", "a") as lock:
+        (other writers' too) and a shard about to be ledgered (``pending``);
+        the done ids and totals follow them. Writers take turns (a lock
+        file), so the last view written is never older than another
+        writer's."""
+        with open_plain(self.path / ".views.lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                self._write_views()
+                self._write_views(pending)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def _write_views(self) -> None:
-        entries = read_all_ledgers(self.path)
+    def _write_views(self, pending: LedgerEntry | None) -> None:
+        entries = read_all_ledgers(self.path) + ([pending] if pending is not None else [])
         self.done = {key for e in entries for key in e.keys()}
         shards = [EMPTY_SHARD] + sorted(e.shard for e in entries)
         state = {

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-import zlib
 from pathlib import Path
 
 import orjson
@@ -22,7 +21,7 @@ import pyarrow as pa
 
 from jobs.ledger import Ledger, LedgerEntry, fsync_dir
 from jobs.lock import FolderInUse, FolderLock
-from jobs.output import LEDGER_PATTERN, MANIFEST, QUARANTINE, SHARD_PATTERN, ledger_path
+from jobs.output import LEDGER_PATTERN, MANIFEST, QUARANTINE, SHARD_PATTERN, entry_from_shard, ledger_path
 
 
 def repair(folder: Path, log=print) -> tuple[int, int, int]:
@@ -44,11 +43,8 @@ def repair(folder: Path, log=print) -> tuple[int, int, int]:
         for path in shards:
             writer = SHARD_PATTERN.match(path.name)["writer"]
             try:
-                data = path.read_bytes()
-                table = pa.ipc.open_stream(pa.BufferReader(data)).read_all()
-                records = table.to_pylist()
-                ids = [r["id"] for r in records]
-                keys = {(r["id"], r.get("sample") or 0) for r in records}
+                entry = entry_from_shard(path, fingerprint)
+                keys = set(entry.keys())
                 if seen & keys:
                     raise ValueError("it repeats rows (id and sample) of an earlier shard")
             except (pa.ArrowInvalid, OSError, KeyError, ValueError) as e:
@@ -58,13 +54,10 @@ def repair(folder: Path, log=print) -> tuple[int, int, int]:
                 log(f"repair: shard {path.name} moved to {target.relative_to(folder)} ({e})")
                 quarantined += 1
                 continue
-            entry = LedgerEntry.from_rows(path.name, writer, records, 0.0, bytes=len(data),
-                                          crc32=zlib.crc32(data), fingerprint=fingerprint)
-            entry.committed_at = path.stat().st_mtime
             by_writer.setdefault(writer, []).append(entry)
             seen.update(keys)
             kept += 1
-            rows += len(ids)
+            rows += entry.rows
         for p in folder.glob("ledger-*.jsonl"):
             if LEDGER_PATTERN.match(p.name) and LEDGER_PATTERN.match(p.name)["writer"] not in by_writer:
                 Ledger(p).rewrite([])

@@ -8,10 +8,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import orjson
 
 from jobs.ledger import Totals
-from jobs.output import MANIFEST, OutputError, check_shard, ledgers, read_all_ledgers
+from jobs.output import OutputError, check_shard, ledgers, read_all_ledgers, read_manifest
 
 
 def folder_state(folder: Path, verify: bool) -> tuple[dict, Totals, list[str]]:
@@ -21,23 +20,22 @@ def folder_state(folder: Path, verify: bool) -> tuple[dict, Totals, list[str]]:
         OutputError: Not a job folder, a corrupt manifest, or a ledger
             damaged in the middle.
     """
-    manifest_path = folder / MANIFEST
     if not folder.is_dir():
         raise OutputError(f"{folder} is not a folder")
-    if not manifest_path.exists():
-        raise OutputError(f"{folder} is not a job output folder (no {MANIFEST})")
-    try:
-        manifest = orjson.loads(manifest_path.read_bytes())
-    except orjson.JSONDecodeError as e:
-        raise OutputError(f"{manifest_path} is corrupt ({e}); rerun the job's command to rebuild it") from None
+    manifest = read_manifest(folder)
     entries = read_all_ledgers(folder)
     damage = []
     for ledger in ledgers(folder):
         if tail := ledger.read().tail:
             damage.append(f"{ledger.path.name}: {tail} bytes after its last complete line (cut on resume)")
     seen: set[tuple[str, int]] = set()
+    shards: set[str] = set()
     totals = Totals()
     for e in entries:
+        if e.shard in shards:
+            damage.append(f"shard {e.shard}: listed twice in the ledgers (a resume drops the repeat)")
+            continue
+        shards.add(e.shard)
         problem = check_shard(folder, e, checksum=verify)
         if problem is None and seen & set(e.keys()):
             problem = "it repeats rows (id and sample) of an earlier shard"

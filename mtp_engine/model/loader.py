@@ -93,6 +93,8 @@ def read_config(path: str | Path) -> tuple[Path, dict]:
         config = json.loads(config_path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path} holds a JSON {type(config).__name__}, not an object")
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise CheckpointError(
@@ -181,9 +183,14 @@ def load_checkpoint(path: str | Path, dtype: str | None = None, options: EngineO
         raise ValueError(f"dtype {dtype!r} cannot run on MLX's CPU backend (its MoE matmuls are "
                          "float32-only); use 'float32' or leave dtype unset")
     folder, config = read_config(path)
+    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model", "tiktoken.model")):
+        raise CheckpointError(f"{str(path)!r} has no tokenizer (tokenizer.json or tokenizer.model)")
     # The head first: a folder without one fails before the trunk is read.
-    head = load_mtp_head(folder, config)
-    model, config = load_model(folder, model_config=load_overrides(config), get_model_classes=model_classes)
+    try:
+        head = load_mtp_head(folder, config)
+        model, config = load_model(folder, model_config=load_overrides(config), get_model_classes=model_classes)
+    except RuntimeError as e:  # MLX's safetensors reader: a truncated or corrupt file
+        raise CheckpointError(f"{str(path)!r} has unreadable weights: {e}") from None
     if dtype is None and mx.default_device() == mx.cpu:
         half = (mx.bfloat16, mx.float16)
         if any(v.dtype in half for m in (model, head) for _, v in tree_flatten(m.parameters())):

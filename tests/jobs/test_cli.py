@@ -41,6 +41,48 @@ def test_unknown_config_key_and_missing_settings(tmp_path):
         parse(["generate", "--dataset", "d", "--output", "o"])
 
 
+@pytest.mark.parametrize("values,message", [
+    ({"overwrite": "false"}, "overwrite must be true or false, got 'false'"),
+    ({"stop": 5}, "stop must be a string or a list of strings, got 5"),
+    ({"fast_paths": 5}, "fast_paths must be a mapping or a list of NAME=VALUE strings, got 5"),
+    ({"max_tokens": "64"}, "max_tokens must be an integer, got '64'"),
+    ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
+])
+def test_a_config_value_of_the_wrong_type_is_one_error_line_and_deletes_nothing(tmp_path, job_model, capsys,
+                                                                                values, message):
+    """A config file's "false" is a string, not a boolean: the job refuses
+    it (exit 2, one ``error:`` line) before touching the folder, whose
+    committed rows stay."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(2))
+    out = tmp_path / "out"
+    assert main(["generate", "--dataset", str(dataset), "--model", str(job_model), "--output", str(out),
+                 "--max-tokens", "4"]) == 0
+    capsys.readouterr()
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps({"dataset": str(dataset), "model": str(job_model), "output": str(out), **values}))
+    assert main(["generate", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {message}\n"
+    assert len(datasets.load_from_disk(str(out))) == 2
+
+
+def test_ctrl_c_during_start_up_prints_the_resume_line_not_a_traceback(tmp_path, job_model, capsys, monkeypatch):
+    """SIGINT while the model loads arrives as KeyboardInterrupt (the job's
+    own handler is not installed yet): one line, the resume command, 130."""
+    import jobs.cli
+
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(jobs.cli, "run_distributed_or_local", interrupted)
+    dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(2))
+    code = main(["generate", "--dataset", str(dataset), "--model", str(job_model), "--output", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 130 and "Traceback" not in err
+    assert err.splitlines()[0] == "interrupted before decoding started; rows committed earlier are intact"
+    assert err.splitlines()[1].startswith("resume with: ")
+
+
 def test_help_documents_every_setting(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])

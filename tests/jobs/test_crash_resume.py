@@ -73,16 +73,23 @@ def test_kill9_anywhere_then_resume_equals_uninterrupted(tmp_path, job_model, jo
         dict(crash_at="shard_renamed:1"),
         dict(crash_at="ledger_appended:2"),
         dict(crash_at="views_written:1"),
+        dict(crash_at="views_written:2"),  # a commit's views written, its ledger line not
         dict(kill_after_shards=2),
         dict(kill_after_shards=1),
     ]
+    previous = None
     for step in plan:
         code, log = run_until_killed(cmd, output, **step)
         assert code == -signal.SIGKILL, f"{step}: expected a SIGKILL, got {code}\n{log}"
+        if previous == dict(crash_at="views_written:2"):  # the shard the views had is adopted, not redone
+            assert "was committed to the views but not to its ledger" in log, log
+        previous = step
         # Readable at every point, never a duplicate, only correct rows.
         partial = rows_by_id(output)
         for rid, row in partial.items():
             assert row == expected[rid], f"{step}: row {rid} differs from the uninterrupted run"
+        committed = {i for e in read_all_ledgers(output) for i in e.ids}
+        assert committed <= set(partial), f"{step}: committed rows missing from load_from_disk"
         for shard in output.glob("data-*.arrow"):
             pa.ipc.open_stream(str(shard)).read_all()
 

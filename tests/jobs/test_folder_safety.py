@@ -147,6 +147,25 @@ def test_a_torn_or_garbage_ledger_tail_is_cut_on_resume(tmp_path, dataset, job_m
     assert main(["status", str(out)]) == 0
 
 
+def test_a_repeated_ledger_line_is_dropped_not_taken_for_a_repeating_shard(
+        tmp_path, dataset, job_model, job_engine, reference, capsys):
+    """A ledger line written twice lists one shard twice: status reports it,
+    a resume drops the repeat and keeps the shard (no quarantine, no row
+    redone or lost), and the folder loads throughout."""
+    out = tmp_path / "out"
+    run(dataset, job_model, job_engine, out, limit=4)
+    path = out / "ledger-r000.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:1] + lines[:1] + lines[1:]))
+    assert main(["status", str(out)]) == 1
+    assert "listed twice" in capsys.readouterr().out
+    assert len(rows_by_id(out)) == 4
+    summary = run(dataset, job_model, job_engine, out)
+    assert summary.committed == len(reference) - 4  # the 4 rows were kept, not redone
+    assert rows_by_id(out) == reference and not (out / "quarantine").exists()
+    assert main(["status", str(out)]) == 0 and len(path.read_bytes().splitlines()) == len(read_all_ledgers(out))
+
+
 def test_a_ledger_damaged_in_the_middle_is_refused_then_rebuilt_by_repair(
         tmp_path, dataset, job_model, job_engine, reference, capsys):
     out = tmp_path / "out"
@@ -264,6 +283,15 @@ def _two_halves(tmp_path, dataset, job_model, job_engine) -> tuple[Path, Path]:
     return a, b
 
 
+def test_merge_output_under_a_regular_file_is_one_error_line(tmp_path, dataset, job_model, job_engine, capsys):
+    out = tmp_path / "out"
+    run(dataset, job_model, job_engine, out, limit=2)
+    (tmp_path / "file").write_text("x")
+    assert main(["merge", str(out), "--output", str(tmp_path / "file" / "merged")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "file" in err and "Traceback" not in err
+
+
 def test_merge_refuses_a_ledger_entry_that_escapes_its_folder(tmp_path, dataset, job_model, job_engine):
     a, b = _two_halves(tmp_path, dataset, job_model, job_engine)
     secret = tmp_path / "private.txt"
@@ -377,6 +405,58 @@ def test_a_corrupt_manifest_is_rebuilt_by_the_same_job_and_refused_by_another(
         run(dataset, job_model, job_engine, out, max_tokens=9)
     run(dataset, job_model, job_engine, out)
     assert rows_by_id(out) == reference
+
+
+def test_a_deleted_manifest_is_rebuilt_by_the_same_job_and_refused_by_another(
+        tmp_path, dataset, job_model, job_engine, reference):
+    """Without its manifest a folder's ledgers still say which job wrote
+    its rows: another configuration is refused (it would adopt rows of
+    other settings), the same job rebuilds the manifest and resumes."""
+    out = tmp_path / "out"
+    run(dataset, job_model, job_engine, out, limit=4)
+    (out / "manifest.json").unlink()
+    with pytest.raises(OutputError, match="manifest.json is missing .*another job configuration"):
+        run(dataset, job_model, job_engine, out, max_tokens=9)
+    assert len(rows_by_id(out)) == 4  # nothing deleted
+    run(dataset, job_model, job_engine, out)
+    assert rows_by_id(out) == reference
+
+
+@pytest.mark.parametrize("name", [".lock", "ledger-r000.jsonl"])
+def test_a_symlink_planted_in_the_folder_is_refused_not_written_through(
+        tmp_path, dataset, job_model, job_engine, reference, capsys, name):
+    """A link in the folder (to a file outside it) makes the job stop with
+    one error naming it; the file it points to is untouched, and the job
+    resumes once the link is gone."""
+    out = tmp_path / "out"
+    run(dataset, job_model, job_engine, out, limit=4)
+    outside = tmp_path / "precious.txt"
+    outside.write_bytes((out / name).read_bytes() if name.startswith("ledger") else b"precious\n")
+    before = outside.read_bytes()
+    (out / name).unlink()
+    (out / name).symlink_to(outside)
+    code = main(["generate", "--dataset", str(dataset), "--model", str(job_model), "--output", str(out),
+                 *[f"--{k.replace('_', '-')}={v}" for k, v in settings().items()]])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and err[-1].startswith("error: ") and "symbolic link" in err[-1] and name in err[-1]
+    assert outside.read_bytes() == before
+    (out / name).unlink()
+    if name.startswith("ledger"):
+        os.replace(outside, out / name)
+    run(dataset, job_model, job_engine, out)
+    assert rows_by_id(out) == reference
+
+
+@pytest.mark.parametrize("text", ["[]", "5", '"manifest"'])
+def test_a_manifest_that_is_json_but_not_an_object_is_one_error_line(tmp_path, dataset, job_model, job_engine,
+                                                                     capsys, text):
+    out = tmp_path / "out"
+    run(dataset, job_model, job_engine, out, limit=2)
+    (out / "manifest.json").write_text(text)
+    for argv in (["status", str(out)], ["export", str(out), "--output", str(tmp_path / "x.jsonl")]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "not an object" in err and err.count("\n") == 1
 
 
 def test_repair_needs_the_lock(tmp_path, dataset, job_model, job_engine):

@@ -216,3 +216,20 @@ def test_openai_batch_file_in_and_out(tmp_path, job_model, job_engine):
     assert "text" in lines["text-1"]["response"]["body"]["choices"][0]
     assert lines["bad-method"]["response"] is None
     assert lines["bad-method"]["error"] == {"code": "invalid_request", "message": "method must be 'POST', got 'GET'"}
+
+
+def test_export_refuses_to_write_inside_the_job_folder(tmp_path, job_model, job_engine, capsys):
+    """An export over the folder's own ledger would cut it on the next
+    resume (every row redone): any path inside the folder is refused and
+    the folder stays whole."""
+    dataset = write_jsonl(tmp_path / "batch.jsonl", openai_lines())
+    out = tmp_path / "out"
+    run_job(job_config(dataset, job_model, out), engine=job_engine)
+    ledger = out / "ledger-r000.jsonl"
+    before = ledger.read_bytes()
+    for target in (ledger, out / "export.jsonl", out / "sub" / "x.jsonl"):
+        assert cli_main(["export", str(out), "--format", "openai-batch", "--output", str(target)]) == 1
+        assert "is inside the job folder" in capsys.readouterr().err
+    assert ledger.read_bytes() == before and not (out / "export.jsonl").exists()
+    summary = run_job(job_config(dataset, job_model, out), engine=job_engine)
+    assert summary.committed == 0 and len(rows_by_key(out)) == 6  # nothing redone

@@ -45,6 +45,27 @@ def test_other_architecture_is_refused(tmp_path, tiny_path):
         MTPEngine.load(folder)
 
 
+@pytest.mark.parametrize("damage,match", [
+    ("config-list", r"config.json holds a JSON list, not an object"),
+    ("truncated", r"has unreadable weights: .*load_safetensors"),
+    ("no-tokenizer", r"has no tokenizer"),
+])
+def test_a_damaged_checkpoint_is_a_checkpoint_error_naming_the_damage(tmp_path, tiny_path, damage, match):
+    """What a half-copied or hand-edited model folder looks like: each is a
+    CheckpointError (one ``error:`` line in a job), not a traceback."""
+    folder = tmp_path / "damaged"
+    shutil.copytree(tiny_path, folder)
+    if damage == "config-list":
+        (folder / "config.json").write_text("[]")
+    elif damage == "truncated":
+        weights = folder / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    else:
+        (folder / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match=match):
+        MTPEngine.load(folder)
+
+
 def test_checkpoint_without_head_names_the_head_and_the_fix(tmp_path):
     folder = make_tiny_checkpoint(tmp_path / "headless", with_mtp=False)
     with pytest.raises(MissingMTPHeadError, match=r"no MTP head.*mtp\.\*.*--add-mtp-from"):
