@@ -41,13 +41,6 @@ from mtp_engine.sampling import SamplingParams, choose, draft_choice, ranked_row
 from mtp_engine.verify import positions_of
 
 
-CATCH_UP = 8
-"""Most pending pairs a row's head consumes at once: after a longer run of
-plain steps (mode auto) it reads only the last ones, so a probe after a long
-plain run costs a short forward, not one over every token since the last
-draft (drafts change speed, never tokens)."""
-
-
 @dataclass
 class _Pending:
     """Pending pairs of some consecutive rows: ``hidden[r, :counts[r]]``
@@ -167,13 +160,9 @@ class HeadDrafter:
 
     def _consume(self) -> mx.array:
         """Feed every row's pending pairs; return the head's hidden at each
-        row's last pair, ``[R, 1, dim]``. A row with more than `CATCH_UP`
-        pending (plain steps of mode auto since its last draft) reads only
-        its last `CATCH_UP`. What drafting writes
-        from here on is rewound at commit."""
+        row's last pair, ``[R, 1, dim]``. What drafting writes from here on
+        is rewound at commit."""
         hidden, tokens, counts = self._gather_pending()
-        if max(counts) > CATCH_UP:
-            hidden, tokens, counts = self._window(hidden, tokens, counts)
         width = hidden.shape[1]
         ids = mx.array([t + [0] * (width - len(t)) for t in tokens], dtype=mx.int32)  # [R, width]
         m = self._forward(hidden, ids, self.cache)
@@ -183,17 +172,6 @@ class HeadDrafter:
         if len(set(counts)) == 1 and counts[0] == width:
             return m[:, -1:]
         return m[mx.arange(len(counts)), mx.array(counts) - 1][:, None]
-
-    def _window(self, hidden: mx.array, tokens: list[list[int]], counts: list[int]):
-        """Rows with more than `CATCH_UP` pending pairs keep their last
-        `CATCH_UP`; the older ones are dropped unread (the head's cache
-        keeps what it had, the prompt's pairs among them)."""
-        starts = [max(0, c - CATCH_UP) for c in counts]
-        counts = [c - s for c, s in zip(counts, starts)]
-        width = max(counts)
-        index = mx.array([[s + min(j, n - 1) for j in range(width)] for s, n in zip(starts, counts)], dtype=mx.int32)
-        return (mx.take_along_axis(hidden, index[..., None], axis=1), [t[s:] for t, s in zip(tokens, starts)],
-                counts)
 
     # -- drafting -----------------------------------------------------------
 

@@ -163,29 +163,6 @@ def test_warm_up_meets_every_step_shape_of_the_job_and_changes_no_token(models, 
     assert all(check_row(results[i], row, engine.eos_token_ids, engine) == "identical" for i, row in enumerate(rows))
 
 
-def test_drafts_after_long_plain_runs_read_a_window_and_change_no_token(models):
-    """Mode auto's plain runs queue a pair per row and step; a draft after
-    more than `CATCH_UP` of them reads only the last ones (the
-    `HeadDrafter._window` path), and every row is still plain decoding's."""
-    from mtp_engine.drafters.head import CATCH_UP
-
-    engine, reference = models["l4_fai4_kv2_e4k2"]
-    rows = rows_for(engine, reference)
-    decoder = Decoder(engine, DecodeConfig(mode="auto", draft_tokens=3, batch_size=4, drafter="mlx"))
-    for i, row in enumerate(rows):
-        decoder.add(i, row["ids"], [GREEDY], max_tokens=row["max_tokens"], stop=row["stop"])
-    plan = ([0] * (CATCH_UP + 5) + [3, 2]) * 4
-    results, windows = {}, 0
-    while decoder.pending:
-        depth = plan.pop(0) if plan else None
-        if depth and decoder.drafter is not None:
-            hidden, tokens, counts = decoder.drafter._gather_pending()
-            windows += max(counts) > CATCH_UP
-        results.update({key: r for (key, _), r in decoder.step(depth)})
-    assert windows >= 4
-    assert all(check_row(results[i], row, engine.eos_token_ids, engine) == "identical" for i, row in enumerate(rows))
-
-
 def test_a_row_does_not_depend_on_the_rows_beside_it(models):
     engine, _ = models["l4_fai4_kv2_e4k2"]
     prompts = PROMPTS + [LONG]
