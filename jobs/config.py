@@ -143,11 +143,7 @@ class JobConfig:
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ConfigError(f"stop must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
-        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
-            raise ConfigError(f"system_prompt must be a string, got {self.system_prompt!r}")
         object.__setattr__(self, "fast_paths", _fast_path_pairs(self.fast_paths))
-        if self.warm_up is not None and not isinstance(self.warm_up, bool):
-            raise ConfigError(f"warm_up must be true, false or unset, got {self.warm_up!r}")
         try:
             self.sampling()
         except ValueError as e:

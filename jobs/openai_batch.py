@@ -139,7 +139,7 @@ def export(folder: Path, output: Path) -> tuple[int, int]:
     error row is written as an error line. Returns (lines written, prompts
     left out because some completions are not committed yet).
     """
-    if output.resolve().parent == folder.resolve() or folder.resolve() in output.resolve().parents:
+    if folder.resolve() in output.resolve().parents:
         raise OutputError(f"--output {output} is inside the job folder {folder}, whose files only the job "
                           "writes; choose a path outside it")
     manifest, rows = _committed_rows(folder)

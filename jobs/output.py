@@ -123,6 +123,37 @@ def read_all_ledgers(folder: Path) -> list[LedgerEntry]:
     return entries
 
 
+REPEATED_LINE = "listed twice in the ledgers"
+
+
+def checked_entries(folder: Path, checksum: bool):
+    """Every ledger's entries in order, each as ``(ledger, entry, problem)``:
+    problem None for an intact shard, `REPEATED_LINE` for a line naming a
+    shard an earlier line named, else why the shard fails (`check_shard`,
+    or rows an earlier shard holds).
+
+    Raises:
+        OutputError: A ledger is damaged in the middle.
+    """
+    seen: set[tuple[str, int]] = set()
+    shards: set[str] = set()
+    for ledger in ledgers(folder):
+        state = ledger.read()
+        if state.corrupt_line is not None:
+            raise OutputError(corrupt_ledger_message(ledger, state))
+        for e in state.entries:
+            if e.shard in shards:
+                yield ledger, e, REPEATED_LINE
+                continue
+            shards.add(e.shard)
+            problem = check_shard(folder, e, checksum)
+            if problem is None and seen & set(e.keys()):
+                problem = "it repeats rows (id and sample) of an earlier shard"
+            if problem is None:
+                seen.update(e.keys())
+            yield ledger, e, problem
+
+
 def corrupt_ledger_message(ledger: Ledger, state: LedgerState) -> str:
     return (f"{ledger.path} is corrupt at line {state.corrupt_line} ({state.problem}); "
             f"rebuild it from the shards with `python -m jobs repair {ledger.path.parent}`")
@@ -454,31 +485,22 @@ class OutputFolder:
     def _verify_shards(self, checksum: bool) -> None:
         """Quarantine listed shards that are not what their ledger recorded,
         and shards repeating ids of earlier ones; strike their entries."""
-        seen: set[str] = set()
-        shards: set[str] = set()
+        keep: dict[Path, list[LedgerEntry]] = {ledger.path: [] for ledger in ledgers(self.path)}
+        changed: set[Path] = set()
+        for ledger, e, problem in checked_entries(self.path, checksum):
+            if problem is None:
+                keep[ledger.path].append(e)
+                if e.crc32 is not None:
+                    continue
+                e.bytes, e.crc32 = file_digest(self.path / e.shard)  # an older ledger: record what was verified
+            elif problem == REPEATED_LINE:  # the shard is listed (and checked) once
+                self.log(f"repair: {ledger.path.name} listed shard {e.shard} again; dropped the repeat")
+            else:
+                self._quarantine(e, problem)
+            changed.add(ledger.path)
         for ledger in ledgers(self.path):
-            entries = ledger.read().entries
-            keep, changed = [], False
-            for e in entries:
-                if e.shard in shards:  # a repeated line: the shard is listed (and checked) once
-                    self.log(f"repair: {ledger.path.name} listed shard {e.shard} again; dropped the repeat")
-                    changed = True
-                    continue
-                shards.add(e.shard)
-                problem = check_shard(self.path, e, checksum)
-                if problem is None and seen & set(e.keys()):
-                    problem = "it repeats rows (id and sample) of an earlier shard"
-                if problem is not None:
-                    self._quarantine(e, problem)
-                    changed = True
-                    continue
-                if e.crc32 is None:  # an older ledger: record what was verified
-                    e.bytes, e.crc32 = file_digest(self.path / e.shard)
-                    changed = True
-                seen.update(e.keys())
-                keep.append(e)
-            if changed:
-                ledger.rewrite(keep)
+            if ledger.path in changed:
+                ledger.rewrite(keep[ledger.path])
 
     def _quarantine(self, entry: LedgerEntry, problem: str) -> None:
         path = self.path / entry.shard

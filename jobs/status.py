@@ -8,9 +8,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-
 from jobs.ledger import Totals
-from jobs.output import OutputError, check_shard, ledgers, read_all_ledgers, read_manifest
+from jobs.output import REPEATED_LINE, OutputError, checked_entries, ledgers, read_manifest
 
 
 def folder_state(folder: Path, verify: bool) -> tuple[dict, Totals, list[str]]:
@@ -23,26 +22,18 @@ def folder_state(folder: Path, verify: bool) -> tuple[dict, Totals, list[str]]:
     if not folder.is_dir():
         raise OutputError(f"{folder} is not a folder")
     manifest = read_manifest(folder)
-    entries = read_all_ledgers(folder)
     damage = []
     for ledger in ledgers(folder):
         if tail := ledger.read().tail:
             damage.append(f"{ledger.path.name}: {tail} bytes after its last complete line (cut on resume)")
-    seen: set[tuple[str, int]] = set()
-    shards: set[str] = set()
     totals = Totals()
-    for e in entries:
-        if e.shard in shards:
-            damage.append(f"shard {e.shard}: listed twice in the ledgers (a resume drops the repeat)")
+    for _, e, problem in checked_entries(folder, checksum=verify):
+        if problem == REPEATED_LINE:
+            damage.append(f"shard {e.shard}: {REPEATED_LINE} (a resume drops the repeat)")
             continue
-        shards.add(e.shard)
-        problem = check_shard(folder, e, checksum=verify)
-        if problem is None and seen & set(e.keys()):
-            problem = "it repeats rows (id and sample) of an earlier shard"
         if problem is not None:
             damage.append(f"shard {e.shard}: {problem} ({e.rows} rows; a resume quarantines it and redoes them)")
             continue
-        seen.update(e.keys())
         totals.add(e)
     return manifest, totals, damage
 

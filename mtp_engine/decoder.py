@@ -177,9 +177,8 @@ class Decoder:
         t0 = time.perf_counter()
         vocab = self.engine.text.args.vocab_size
         prompt = [(7919 * i + 11) % vocab for i in range(16)]
-        depths = [0] * 3 if self.controller is not None or not self.k else []
-        depths += [d for d in (range(1, self.k + 1) if self.controller is not None else [self.k] if self.k else [])
-                   for _ in (0, 1)]
+        uses = range(self.k + 1) if self.controller is not None else [self.k]  # the mode's draft depths
+        depths = [d for d in uses for _ in range(3 if d == 0 else 2)]  # a plain step's cost counts from its third
         shapes = set()
         for size in self.buckets:
             warm = Decoder(self.engine, replace(self.decode, batch_size=size))
