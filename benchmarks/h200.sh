@@ -67,7 +67,7 @@ case "${1:?tests, shipped, dataset, sampling, lossless, job, 80b, 80b-b8, 80b-de
       --modes baseline auto chain:3 --rounds 2 --batch-size 32 --temperatures 0 0.7 --json "$out/h200-job.json" ;;
   80b|80b-b8|80b-depths|80b-phases|80b-8k)
     # The issue's target settings: prompts of 1K tokens x 128 new tokens, drafts projected at profile
-    # 0.93,0.82,0.64. 80b: 32 prompts at B=32, K=2 and 3 (~210 s); 80b-b8: 16 prompts at B=8 (~140 s); the batched
+    # 0.93,0.82,0.64. 80b: 32 prompts at B=32, K=3 and auto (~210 s); 80b-b8: 16 prompts at B=8 (~140 s); the batched
     # runs twice, the second round starting one mode later; one-at-a-time decoding on the first prompt (plain and
     # chain K=3, 2 rounds interleaved, after the batched reference run), the rest of the reference from plain
     # batching. 80b-depths: single-sequence
@@ -75,7 +75,7 @@ case "${1:?tests, shipped, dataset, sampling, lossless, job, 80b, 80b-b8, 80b-de
     ctx=1024
     case "$1" in
       80b-8k) ctx=8192; args="--limit 8 --batch-sizes 8 --draft-tokens 3 --single-k 3 --single-limit 1 --phase-times" ;;
-      80b) args="--limit 32 --batch-sizes 32 --draft-tokens 2 3 --single-k 3 --single-limit 1 --single-rounds 2 --batch-rounds 2" ;;
+      80b) args="--limit 32 --batch-sizes 32 --draft-tokens 3 --single-k 3 --single-limit 1 --single-rounds 2 --batch-rounds 2" ;;
       80b-b8) args="--limit 16 --batch-sizes 8 --draft-tokens 3 --single-k 3 --single-limit 1 --single-rounds 2 --batch-rounds 2" ;;
       80b-depths) args="--limit 1 --batch-sizes --single-k 3 4 6 8 --single-rounds 3" ;;
       80b-phases) args="--limit 32 --batch-sizes 32 --draft-tokens 3 --single-k 3 --single-limit 1 --phase-times" ;;

@@ -54,8 +54,11 @@ def run_once(engine, dataset: str, model: str, output: Path, mode: str, temperat
     for a in rows["acceptance"]:
         for d, n in enumerate((a or {}).get("depths") or []):
             depths[d] += n
+    lines = log.getvalue().splitlines()
+    warm = [float(line.rsplit(" in ", 1)[1].split()[0]) for line in lines if line.startswith("warm-up:")]
     return {"mode": mode, "temperature": temperature, "wall_s": round(wall, 3), "tokens": summary.tokens, "rows": summary.committed,
-            "tok_s": round(summary.tokens / wall, 1),
+            "tok_s": round(summary.tokens / wall, 1), "warmup_s": warm[0] if warm else None,
+            "controller": next((line for line in lines if line.startswith("auto:")), None),
             "completions": {r["id"]: r["completion"] for r in rows}, "depths": depths if name == "auto" else None}
 
 
@@ -87,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
                     run["round"] = r
                     runs.append(run)
                     print(f"T={temperature} round {r + 1}/{args.rounds} {mode}: {run['tok_s']} tok/s "
-                          f"({run['tokens']} tokens, {run['wall_s']} s)", file=sys.stderr, flush=True)
+                          f"({run['tokens']} tokens, {run['wall_s']} s"
+                          + (f", warm-up {run['warmup_s']} s" if run["warmup_s"] is not None else "") + ")"
+                          + (f"\n  {run['controller']}" if run["controller"] else ""), file=sys.stderr, flush=True)
     summary = []
     for temperature in args.temperatures:
         here = [run for run in runs if run["temperature"] == temperature]

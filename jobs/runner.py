@@ -516,6 +516,8 @@ def _decode(engine, config, work, finish, stop, log=None, warmed=lambda seconds:
             drain_one_step()
         if stop.requested:
             decoder.drop_all()  # rows in flight are redone on resume
+        if decoder.controller is not None and log is not None:
+            log(decoder.controller.describe())
     finally:
         decoder.close()
 

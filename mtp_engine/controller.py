@@ -7,12 +7,15 @@ committed per second. It measures both sides as the decoder runs:
   ``1..min(n + 1, u)`` were tried and ``1..n`` accepted. A row's rate at
   position ``j`` (accepted given the drafts before it were) blends its own
   counts with the batch's (`PRIOR_WEIGHT` pseudo-observations of it), both
-  decaying so an estimate follows a row whose acceptance changes with
-  context. A row expects ``E(d) = 1 + sum_{j<=d} prod_{i<=j} a_i`` tokens
+  decaying at each trial of that position so an estimate follows a row
+  whose acceptance changes with context (a position no step tries keeps
+  its estimate). A position never tried starts at the batch's rate one
+  position shallower, so a deeper step looks as good as the evidence
+  allows and is tried. A row expects ``E(d) = 1 + sum_{j<=d} prod_{i<=j} a_i`` tokens
   from a step of ``d`` drafts.
 - **Cost** of a step of ``rows x (d + 1)`` tokens on this machine and
-  model: wall seconds of the step, averaged per (rows rounded up to a power
-  of two, width). A shape's first step is not counted (first-use costs:
+  model: wall seconds of the step, the median of its last `RECENT` per
+  (rows rounded up to a power of two, width). A shape's first step is not counted (first-use costs:
   kernels compiling, buffers allocated). At the start plain steps and steps
   of one draft are measured; a wider step not measured yet is priced by
   extrapolating the two below it, and tried when that price makes it the
@@ -29,7 +32,14 @@ of plain steps (`PLAIN_RUN` at first) a speculative step consumes them and
 measures acceptance again, so a batch whose drafts start to pay is noticed.
 Each such probe after which plain steps still pay doubles the run (up to
 `MAX_PLAIN_RUN`), so a job whose drafts never pay probes rarely; a depth
-chosen on its own figures resets it.
+chosen on its own figures resets it. No probe is taken while the costs say
+that even drafts all accepted could not pay (`HOPELESS`: a step of ``d``
+drafts emits at most ``d + 1`` tokens), as on a CPU whose sampled steps of
+one draft cost three plain ones. Every `EXPLORE_EVERY` speculative
+steps it takes the depth one above or below its best instead (alternately)
+where that looks at least `EXPLORE_MARGIN` as good, so an estimate met
+once (a slow second use of a shape, a position's early misses) is
+measured again rather than kept for the rest of the job.
 
 The controller changes which steps speculate, never a token: every step
 emits what plain decoding would (greedy, exact sampler).
@@ -37,17 +47,19 @@ emits what plain decoding would (greedy, exact sampler).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 PRIOR_WEIGHT = 4.0
 """Pseudo-observations of the batch's rate in a row's estimate."""
 
 ROW_DECAY = 0.9
-"""Weight a row's past counts keep at each of its steps (about ten steps
-of memory)."""
+"""Weight a row's past counts at a position keep at each of its steps that
+tries the position (about ten such steps of memory)."""
 
 BATCH_DECAY = 0.9
-"""Weight the batch's counts keep at each speculative step."""
+"""Weight the batch's counts at a position keep at each speculative step
+that tries the position."""
 
 PLAIN_RUN = 16
 """Plain steps in a row before a speculative one measures acceptance again."""
@@ -56,7 +68,23 @@ MAX_PLAIN_RUN = 256
 """The longest run of plain steps between two such probes."""
 
 FIRST_RATE = 0.5
-"""A position's acceptance before anything was measured there."""
+"""The first position's acceptance before anything was measured there."""
+
+RECENT = 9
+"""Steps of a shape whose median prices it (one slow step, a collection or
+a late compile, moves it little)."""
+
+HOPELESS = 0.9
+"""A probe is skipped while the step costs say that drafts all accepted
+would still give less than this share of plain steps' tokens per second
+(a step of d drafts emits at most d + 1 tokens)."""
+
+EXPLORE_EVERY = 32
+"""Speculative steps between two steps at a depth next to the best."""
+
+EXPLORE_MARGIN = 0.85
+"""How good (expected tokens per second, against the best depth's) a
+neighbouring depth must look to be measured again."""
 
 
 @dataclass
@@ -82,11 +110,13 @@ class Controller:
     k: int
     tried: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
-    costs: dict = field(default_factory=dict)  # (rows bucket, width) -> [seen, counted, mean seconds]
+    costs: dict = field(default_factory=dict)  # (rows bucket, width) -> [seen, recent seconds]
     plain_run: int = 0
     plain_limit: int = PLAIN_RUN
     probing: bool = False
     chosen: list[int] = field(default_factory=list)  # steps that chose each depth 0..k
+    speculative: int = 0  # speculative steps chosen on their own figures
+    explored: int = 0  # steps that measured a neighbouring depth again
 
     def __post_init__(self):
         self.tried = [0.0] * (self.k + 1)
@@ -98,7 +128,8 @@ class Controller:
     def rate(self, j: int, row: RowAcceptance | None = None) -> float:
         """Acceptance at draft position ``j`` given the drafts before it were
         accepted: the batch's, or ``row``'s blended with it."""
-        batch = (self.accepted[j] + FIRST_RATE) / (self.tried[j] + 1.0)
+        prior = FIRST_RATE if j == 1 else self.rate(j - 1)
+        batch = (self.accepted[j] + prior) / (self.tried[j] + 1.0)
         if row is None:
             return batch
         return (row.accepted[j] + PRIOR_WEIGHT * batch) / (row.tried[j] + PRIOR_WEIGHT)
@@ -117,7 +148,7 @@ class Controller:
 
     def _mean(self, bucket: int, width: int) -> float | None:
         entry = self.costs.get((bucket, width))
-        return entry[2] if entry and entry[1] else None
+        return statistics.median(entry[1]) if entry and entry[1] else None
 
     def cost(self, rows: int, width: int) -> float | None:
         """Seconds a step of this shape costs: measured, or borrowed (see
@@ -150,14 +181,18 @@ class Controller:
         for d in (0, 1):  # plain steps and one draft are measured first
             if costs[d] is None:
                 return self._chose(d)
-        for d in range(2, deepest + 1):  # wider steps not measured yet: extrapolated, to be tried if they look best
-            if costs[d] is None:
-                costs[d] = max(costs[d - 1], 2 * costs[d - 1] - costs[d - 2])
+        guess = costs[:2] + [None] * (deepest - 1)  # each width extrapolated from the two below it
+        for d in range(2, deepest + 1):
+            guess[d] = max(costs[d - 1], 2 * costs[d - 1] - costs[d - 2])
+            if costs[d] is None:  # not measured yet: priced by the guess, tried if it looks best
+                costs[d] = guess[d]
         candidates = list(range(deepest + 1))
 
-        def value(d: int) -> float:
+        def value(d: int, hopeful: bool = False) -> float:
+            """Expected tokens per second; ``hopeful`` prices the step at the
+            lower of its measure and its guess."""
             tokens = sum(self.expected(r, max(0, min(d, b - 1))) for r, b in zip(rows, budgets))
-            return tokens / costs[d]
+            return tokens / (min(costs[d], guess[d]) if hopeful and guess[d] else costs[d])
         best = max(candidates, key=value)
         if best == 0 and self.probing:  # the last probe found drafts still do not pay
             self.plain_limit = min(2 * self.plain_limit, MAX_PLAIN_RUN)
@@ -165,8 +200,19 @@ class Controller:
             self.plain_limit = PLAIN_RUN
         self.probing = False
         if best == 0 and self.plain_run >= self.plain_limit:
-            self.probing = True
-            best = max(candidates[1:], key=value)
+            perfect = max(sum(min(d, b - 1) + 1 for b in budgets) / costs[d] for d in candidates[1:])
+            if perfect < HOPELESS * value(0):  # no acceptance could pay: nothing to measure
+                self.plain_run = 0
+            else:
+                self.probing = True
+                best = max(candidates[1:], key=value)
+        elif best:
+            self.speculative += 1
+            if self.speculative % EXPLORE_EVERY == 0:
+                self.explored += 1
+                side = [best + 1, best - 1] if self.explored % 2 else [best - 1, best + 1]
+                near = [d for d in side if 1 <= d <= deepest and value(d, d > best) >= EXPLORE_MARGIN * value(best)]
+                best = near[0] if near else best
         return self._chose(best)
 
     def _chose(self, depth: int) -> int:
@@ -174,31 +220,40 @@ class Controller:
         self.chosen[depth] += 1
         return depth
 
+    def describe(self) -> str:
+        """One line of what it chose and measured, for a job's log."""
+        k = range(1, self.k + 1)
+        shapes = sorted({b for b, _ in self.costs})
+        costs = "; ".join(f"{b} rows " + "/".join(f"{c * 1e3:.1f}" if (c := self._mean(b, w)) is not None else "-"
+                                                  for w in range(1, self.k + 2)) for b in shapes)
+        return (f"auto: steps by drafts (0..{self.k}) {'/'.join(map(str, self.chosen))}; acceptance by position "
+                f"{'/'.join(f'{self.rate(j):.2f}' for j in k)}; step ms by width (1..{self.k + 1}): {costs or '-'}")
+
     # -- measuring ------------------------------------------------------------
 
     def observe_step(self, rows: int, width: int, seconds: float) -> None:
         """A step of ``rows x width`` tokens took ``seconds`` (its first use
         of a shape is not counted)."""
-        entry = self.costs.setdefault((self.bucket(rows), width), [0, 0, 0.0])
+        entry = self.costs.setdefault((self.bucket(rows), width), [0, []])
         entry[0] += 1
-        if entry[0] == 1:
-            return
-        entry[1] += 1
-        weight = max(1.0 / entry[1], 0.1)  # the mean, then a moving average
-        entry[2] += weight * (seconds - entry[2])
+        if entry[0] > 1:
+            entry[1] = entry[1][1 - RECENT:] + [seconds]
 
     def observe_rows(self, rows: list[RowAcceptance], used: list[int], accepted: list[int]) -> None:
         """After a speculative step: row ``b`` used ``used[b]`` drafts and
         ``accepted[b]`` of them were accepted."""
-        _decay(self, BATCH_DECAY)
+        reached = max((min(n + 1, u) for u, n in zip(used, accepted)), default=0)
+        _decay(self, BATCH_DECAY, reached)
         for row, u, n in zip(rows, used, accepted):
-            _decay(row, ROW_DECAY)
+            _decay(row, ROW_DECAY, min(n + 1, u))
             for j in range(1, min(n + 1, u) + 1):
                 for counts in (row, self):
                     counts.tried[j] += 1.0
                     counts.accepted[j] += j <= n
 
 
-def _decay(counts, weight: float) -> None:
-    counts.tried[:] = [t * weight for t in counts.tried]
-    counts.accepted[:] = [a * weight for a in counts.accepted]
+def _decay(counts, weight: float, positions: int) -> None:
+    """Age the counts of positions ``1..positions`` (those tried now)."""
+    for j in range(1, positions + 1):
+        counts.tried[j] *= weight
+        counts.accepted[j] *= weight

@@ -148,3 +148,53 @@ def test_probes_grow_rarer_while_drafts_do_not_pay():
             run += 1
     assert gaps[:5] == [PLAIN_RUN, 2 * PLAIN_RUN, 4 * PLAIN_RUN, 8 * PLAIN_RUN, 16 * PLAIN_RUN]
     assert set(gaps[5:]) == {MAX_PLAIN_RUN}
+
+
+def test_a_depth_misjudged_at_start_is_measured_again_and_taken():
+    # Width 4's only early measure was slow (a second use of a shape still
+    # compiling); the step really costs what width 3 does. Drafts land at 0.8.
+    true = {1: 1.0, 2: 1.02, 3: 1.04, 4: 1.06}
+    c = Controller(3)
+    measured(c, 8, {**true, 4: 1.6})
+    rows = [RowAcceptance.empty(3) for _ in range(8)]
+    choices = []
+    for s in range(400):
+        d = c.choose(rows, [1000] * 8)
+        choices.append(d)
+        c.observe_step(8, d + 1, true[d + 1])
+        if d:
+            accepted = [next((j for j in range(d) if (s * 7 + j * 3 + b) % 10 >= 8), d) for b in range(8)]
+            c.observe_rows(rows, [d] * 8, accepted)
+    assert choices[:20].count(3) < 5  # misjudged at first
+    assert choices[-100:].count(3) > 80  # measured again, then taken
+
+
+def test_a_position_no_step_tries_keeps_its_estimate():
+    c = Controller(3)
+    rows = [RowAcceptance.empty(3) for _ in range(4)]
+    for s in range(40):  # the first two drafts always land, the third one time in four
+        c.observe_rows(rows, [3] * 4, [3 if s % 4 == 0 else 2] * 4)
+    deep = c.rate(3, rows[0])
+    assert deep < 0.4
+    for _ in range(50):  # steps of one draft: positions 2 and 3 are not tried
+        c.observe_rows(rows, [1] * 4, [1] * 4)
+    assert c.rate(3, rows[0]) == pytest.approx(deep, abs=0.01)
+    # A position never tried starts at the one above it, not at a fixed guess.
+    fresh = Controller(3)
+    fresh_rows = [RowAcceptance.empty(3) for _ in range(4)]
+    for _ in range(30):
+        fresh.observe_rows(fresh_rows, [1] * 4, [1] * 4)
+    assert fresh.rate(2) == pytest.approx(fresh.rate(1)) and fresh.rate(1) > 0.9
+
+
+def test_no_probe_while_even_drafts_all_accepted_could_not_pay():
+    c = Controller(2)
+    measured(c, 4, {1: 1.0, 2: 3.0, 3: 5.0})  # one draft costs three plain steps: at most 2 tokens for 3
+    rows = [RowAcceptance.empty(2) for _ in range(4)]
+    with_rate(c, rows, 0.02, steps=40)
+    assert [c.choose(rows, [1000] * 4) for _ in range(10 * PLAIN_RUN)] == [0] * (10 * PLAIN_RUN)
+    # Where a step of two drafts costs less than three plain ones, probes go on.
+    d = Controller(2)
+    measured(d, 4, {1: 1.0, 2: 1.9, 3: 2.5})
+    with_rate(d, rows, 0.02, steps=40)
+    assert any(d.choose(rows, [1000] * 4) for _ in range(PLAIN_RUN + 1))

@@ -144,7 +144,7 @@ def test_warm_up_meets_every_step_shape_of_the_job_and_changes_no_token(models, 
     decoder = Decoder(engine, DecodeConfig(mode="auto", draft_tokens=3, batch_size=6))
     seconds, shapes = decoder.warm_up(GREEDY)
     assert decoder.buckets == [1, 2, 4, 6] and shapes == 4 * 4 and seconds > 0 and not decoder.rows
-    measured = {shape for shape, (_, counted, _) in decoder.controller.costs.items() if counted}
+    measured = {shape for shape, (_, recent) in decoder.controller.costs.items() if recent}
     assert measured == {(decoder.controller.bucket(b), w) for b in decoder.buckets for w in range(1, 5)}
     met = []
 
