@@ -12,6 +12,8 @@
 #                                      # batched chains B=8..32 K=1..4, all prompts then loop-free -> h200-dataset*.json
 #   bash benchmarks/h200.sh sampling   # shipped model, plain sampling vs both samplers, T=0.7 and 1.0 -> h200-sampling.json
 #   bash benchmarks/h200.sh lossless   # shipped model, bf16, every mode vs mlx-lm greedy -> h200-lossless.json
+#   bash benchmarks/h200.sh audit      # shipped model, a 64-row job in each speculative mode, audited against plain
+#                                      # decoding (python -m jobs audit) -> h200-audit-MODE.json
 #   bash benchmarks/h200.sh job        # shipped model, a 64-prompt x 96-token job end to end: plain batching, auto,
 #                                      # batched chain K=3 at B=32, greedy and T=0.7 (python -m jobs.bench) -> h200-job.json
 #   bash benchmarks/h200.sh 80b        # Qwen3-Next-80B-A3B shapes, random 4-bit weights, 1K-token prompts x 128 new
@@ -39,7 +41,7 @@ mkdir -p "$out"
 export PYTHONPATH=/root/site:$PWD
 bench="python3 -u -m mtp_engine.bench"
 
-case "${1:?tests, shipped, dataset, sampling, lossless, job, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
+case "${1:?tests, shipped, dataset, sampling, lossless, job, audit, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
     timeout "${LIMIT:-480}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
       tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/model/test_dispatch.py tests/mtp_engine/model/test_rope.py \
@@ -65,6 +67,14 @@ case "${1:?tests, shipped, dataset, sampling, lossless, job, 80b, 80b-b8, 80b-de
   job)
     timeout "${LIMIT:-560}" python3 -u -m jobs.bench --dataset examples/prompts.jsonl --limit 64 --max-tokens 96 \
       --modes baseline auto chain:3 --rounds 2 --batch-size 32 --temperatures 0 0.7 --json "$out/h200-job.json" ;;
+  audit)
+    # A 64-row job of the shipped model (bfloat16) in every speculative mode, each folder audited against plain
+    # decoding (python -m jobs audit): identical rows, near-ties, divergences -> h200-audit-MODE.json
+    for mode in auto chain adaptive tree adaptive_tree paths; do
+      timeout "${LIMIT:-90}" python3 -m jobs generate --dataset examples/prompts.jsonl --model models/qwen3-next-tiny-stdlib \
+        --output "/tmp/audit-$mode" --overwrite --limit 64 --max-tokens 96 --mode "$mode" 2>&1 | tail -1
+      timeout "${LIMIT:-90}" python3 -m jobs audit "/tmp/audit-$mode" --json "$out/h200-audit-$mode.json" | tail -1
+    done ;;
   80b|80b-b8|80b-depths|80b-phases|80b-8k)
     # The issue's target settings: prompts of 1K tokens x 128 new tokens, drafts projected at profile
     # 0.93,0.82,0.64. 80b: 32 prompts at B=32, K=3 and auto (~210 s); 80b-b8: 16 prompts at B=8 (~140 s); the batched

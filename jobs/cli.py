@@ -1,4 +1,4 @@
-"""Command line: ``python -m jobs generate|status|repair|merge|export ...``.
+"""Command line: ``python -m jobs generate|status|repair|merge|export|audit ...``.
 
 The CLI only parses: it builds a `JobConfig` (flags over a YAML/JSON config
 file over defaults) and calls the runner.
@@ -117,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("output_dir", metavar="DIR", help="output folder of a job")
     e.add_argument("--format", default="openai-batch", choices=["openai-batch"], help="file format")
     e.add_argument("--output", required=True, help="file to write (.jsonl)")
+
+    a = sub.add_parser("audit", help="check a job's rows against plain decoding (the lossless contract)",
+                       description="Decode a sample of a job folder's rows again with plain decoding and report "
+                       "each as identical, parted at a numerical near-tie, or diverged (exit 1 on any divergence).")
+    a.add_argument("output", help="output folder of a job")
+    a.add_argument("--sample", type=int, help="audit this many rows, drawn at random (default: every row)")
+    a.add_argument("--seed", type=int, default=0, help="seed of the draw (default 0)")
+    a.add_argument("--dataset", help="the job's dataset, where the manifest's path does not reach it from here")
+    a.add_argument("--json", help="write the report here too")
     return parser
 
 
@@ -138,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         return merge_outputs([Path(p) for p in args.inputs], Path(args.output))
     if args.command == "export":
         return export_folder(Path(args.output_dir), Path(args.output), args.format)
+    if args.command == "audit":
+        from jobs.audit import run_audit  # loads the model and mlx-lm's generation
+
+        return run_audit(Path(args.output), args.sample, args.seed, args.dataset, args.json)
     return EXIT_USAGE
 
 

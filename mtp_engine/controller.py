@@ -125,22 +125,36 @@ class Controller:
 
     # -- estimates ------------------------------------------------------------
 
-    def rate(self, j: int, row: RowAcceptance | None = None) -> float:
-        """Acceptance at draft position ``j`` given the drafts before it were
-        accepted: the batch's, or ``row``'s blended with it."""
-        prior = FIRST_RATE if j == 1 else self.rate(j - 1)
-        batch = (self.accepted[j] + prior) / (self.tried[j] + 1.0)
-        if row is None:
-            return batch
-        return (row.accepted[j] + PRIOR_WEIGHT * batch) / (row.tried[j] + PRIOR_WEIGHT)
+    def batch_rates(self) -> list[float]:
+        """The batch's acceptance at each draft position ``j`` (index ``j``;
+        index 0 unused) given the drafts before it were accepted."""
+        rates, prior = [1.0], FIRST_RATE
+        for j in range(1, self.k + 1):
+            prior = (self.accepted[j] + prior) / (self.tried[j] + 1.0)
+            rates.append(prior)
+        return rates
 
-    def expected(self, row: RowAcceptance, depth: int) -> float:
-        """Tokens ``row`` expects from a step of ``depth`` drafts."""
-        total, chance = 1.0, 1.0
-        for j in range(1, depth + 1):
-            chance *= self.rate(j, row)
-            total += chance
-        return total
+    def rate(self, j: int, row: RowAcceptance | None = None) -> float:
+        """Acceptance at draft position ``j``: the batch's, or ``row``'s
+        blended with it."""
+        batch = self.batch_rates()[j]
+        return batch if row is None else (row.accepted[j] + PRIOR_WEIGHT * batch) / (row.tried[j] + PRIOR_WEIGHT)
+
+    def tokens(self, rows: list[RowAcceptance], budgets: list[int], deepest: int) -> list[float]:
+        """Tokens the rows expect in all from a step of ``d`` drafts, for
+        each ``d`` in ``0..deepest`` (a row's drafts capped by its budget)."""
+        batch = self.batch_rates()
+        totals = [0.0] * (deepest + 1)
+        for row, budget in zip(rows, budgets):
+            cap = max(0, min(deepest, budget - 1))
+            total = chance = 1.0
+            totals[0] += 1.0
+            for j in range(1, deepest + 1):
+                if j <= cap:
+                    chance *= (row.accepted[j] + PRIOR_WEIGHT * batch[j]) / (row.tried[j] + PRIOR_WEIGHT)
+                    total += chance
+                totals[j] += total
+        return totals
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -187,12 +201,12 @@ class Controller:
             if costs[d] is None:  # not measured yet: priced by the guess, tried if it looks best
                 costs[d] = guess[d]
         candidates = list(range(deepest + 1))
+        tokens = self.tokens(rows, budgets, deepest)
 
         def value(d: int, hopeful: bool = False) -> float:
             """Expected tokens per second; ``hopeful`` prices the step at the
             lower of its measure and its guess."""
-            tokens = sum(self.expected(r, max(0, min(d, b - 1))) for r, b in zip(rows, budgets))
-            return tokens / (min(costs[d], guess[d]) if hopeful and guess[d] else costs[d])
+            return tokens[d] / (min(costs[d], guess[d]) if hopeful and guess[d] else costs[d])
         best = max(candidates, key=value)
         if best == 0 and self.probing:  # the last probe found drafts still do not pay
             self.plain_limit = min(2 * self.plain_limit, MAX_PLAIN_RUN)
@@ -242,18 +256,16 @@ class Controller:
     def observe_rows(self, rows: list[RowAcceptance], used: list[int], accepted: list[int]) -> None:
         """After a speculative step: row ``b`` used ``used[b]`` drafts and
         ``accepted[b]`` of them were accepted."""
+        tried, hits = self.tried, self.accepted
         reached = max((min(n + 1, u) for u, n in zip(used, accepted)), default=0)
-        _decay(self, BATCH_DECAY, reached)
+        for j in range(1, reached + 1):  # the batch's counts age at the positions tried now
+            tried[j] *= BATCH_DECAY
+            hits[j] *= BATCH_DECAY
         for row, u, n in zip(rows, used, accepted):
-            _decay(row, ROW_DECAY, min(n + 1, u))
+            row_tried, row_hits = row.tried, row.accepted
             for j in range(1, min(n + 1, u) + 1):
-                for counts in (row, self):
-                    counts.tried[j] += 1.0
-                    counts.accepted[j] += j <= n
-
-
-def _decay(counts, weight: float, positions: int) -> None:
-    """Age the counts of positions ``1..positions`` (those tried now)."""
-    for j in range(1, positions + 1):
-        counts.tried[j] *= weight
-        counts.accepted[j] *= weight
+                hit = j <= n
+                row_tried[j] = row_tried[j] * ROW_DECAY + 1.0
+                row_hits[j] = row_hits[j] * ROW_DECAY + hit
+                tried[j] += 1.0
+                hits[j] += hit

@@ -1,0 +1,193 @@
+"""``python -m jobs audit DIR``: check a job folder's rows against plain
+decoding, the lossless contract on the user's own data.
+
+A sample of the folder's completed rows (all of them by default) is decoded
+again with plain decoding (no drafts, a batch of one) from the job's own
+dataset and settings (the manifest's), and each row is reported as
+
+- **identical**: the stored completion is plain decoding's text;
+- **near-tie**: greedy, and the first token where they part is one plain
+  decoding's logits rank within a numerical near-tie of its own choice
+  (top-2 gap under the bound of `mtp_engine.tools.lossless`: 1e-4 in
+  float32, 4 units in the last place of the top logit in bfloat16 or
+  float16). A verify forward over several tokens and a one-token forward
+  add in different orders, so on such a tie they may choose differently;
+- **diverged**: anything else (exit status 1), including every divergence
+  of a sampled row (the exact sampler's draw is not classified);
+- **not auditable**: rows of the rejection sampler, whose tokens depend on
+  the draft depth by design.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import datasets
+import mlx.core as mx
+import orjson
+
+from jobs.config import JobConfig
+from jobs.output import OutputError, read_manifest
+from jobs.prompts import Preparer, Request
+from jobs.readers import PromptSource
+from jobs.runner import _raw_ids
+from mtp_engine import MTPEngine
+from mtp_engine.decoder import top_logits
+from mtp_engine.modes import DecodeConfig
+from mtp_engine.tools.lossless import engine_tops, near_tie_bound
+
+HALF_ULPS = 4.0
+"""The near-tie bound in bfloat16 / float16, in units of the top logit's
+last place (as `python -m mtp_engine.lossless` defaults to)."""
+
+
+@dataclass
+class RowAudit:
+    """One audited row: its verdict and, where it parts from plain decoding,
+    the token position and plain decoding's top-2 gap there."""
+
+    id: str
+    sample: int
+    verdict: str  # identical | near-tie | diverged | not auditable
+    position: int | None = None
+    gap: float | None = None
+    bound: float | None = None
+    note: str = ""
+
+    def line(self) -> str:
+        where = f" at token {self.position}" if self.position is not None else ""
+        gap = (f" (plain decoding's lead there {self.gap:.4g}, near-tie bound {self.bound:.4g})"
+               if self.gap is not None else "")
+        return f"{self.id}#{self.sample}: {self.verdict}{where}{gap}{'; ' + self.note if self.note else ''}"
+
+
+@dataclass
+class AuditReport:
+    rows: int = 0  # completed rows in the folder
+    audited: list[RowAudit] = field(default_factory=list)
+
+    def count(self, verdict: str) -> int:
+        return sum(a.verdict == verdict for a in self.audited)
+
+    def summary(self) -> str:
+        return (f"audited {len(self.audited)} of {self.rows} completed rows: {self.count('identical')} identical, "
+                f"{self.count('near-tie')} parted at a numerical near-tie, {self.count('diverged')} diverged, "
+                f"{self.count('not auditable')} not auditable")
+
+
+def audit_folder(folder: Path, sample: int | None = None, seed: int = 0, dataset: str | None = None,
+                 engine: MTPEngine | None = None, log=print) -> AuditReport:
+    """Audit ``sample`` rows (all when None) of a job folder, drawn with
+    ``seed``; ``dataset`` replaces the manifest's path to the job's dataset
+    (a folder read from another directory); ``log`` gets one line per row.
+
+    Raises:
+        OutputError: Not a job folder, or its dataset is not the one the
+            rows came from.
+    """
+    manifest = read_manifest(folder)
+    config = JobConfig.from_sources(manifest.get("config") or {}, {"dataset": dataset}).resolved()
+    source = PromptSource(config.dataset)
+    if source.identity() != (manifest.get("dataset") or {}).get("identity"):
+        raise OutputError(f"{config.dataset} is not the dataset {folder}'s rows came from (it changed, or another "
+                          "path was given); the audit re-reads the prompts, so it needs the job's own dataset")
+    try:
+        table = datasets.load_from_disk(str(folder))
+    except (FileNotFoundError, ValueError) as e:
+        raise OutputError(f"{folder} has no readable rows ({e}); run `python -m jobs status {folder}`") from None
+    done = [r for r in table.select_columns(["id", "sample", "completion", "finish_reason"]).to_list()
+            if r["finish_reason"] != "error"]
+    picked = sorted(random.Random(seed).sample(range(len(done)), sample), key=int) if sample is not None \
+        and sample < len(done) else range(len(done))
+    rows = [done[i] for i in picked]
+    report = AuditReport(rows=len(done))
+    engine = engine or MTPEngine.load((manifest.get("model") or {}).get("path") or config.model,
+                                      options=config.engine_options())
+    requests = _requests(config, engine, source, {r["id"] for r in rows}, manifest.get("schema_version") or 1)
+    dtype = engine.model(mx.array([[0]])).dtype  # the precision the logits are computed in
+    for row in rows:
+        req = requests.get(row["id"])
+        result = (RowAudit(row["id"], row["sample"], "diverged", note="the dataset no longer gives this row")
+                  if req is None else audit_row(engine, req, row, dtype))
+        report.audited.append(result)
+        log(result.line())
+    return report
+
+
+def _requests(config: JobConfig, engine: MTPEngine, source: PromptSource, wanted: set[str],
+              schema_version: int) -> dict[str, Request]:
+    """The job's requests for these ids, prepared as the job prepared them
+    (ids claimed in dataset order, so made-up ids of duplicates match)."""
+    preparer = Preparer(config, engine.tokenizer, engine.context_length, reserved_ids=_raw_ids(source, config),
+                        sampling_allowed=schema_version >= 2)
+    found = {}
+    for row in source:
+        if config.limit is not None and row.index >= config.limit:
+            break
+        rid, error = preparer.claim_id(row)
+        if error is None and rid in wanted:
+            item = preparer.prepare(row, rid)
+            if isinstance(item, Request):
+                found[rid] = item
+    return found
+
+
+def audit_row(engine: MTPEngine, req: Request, row: dict, dtype) -> RowAudit:
+    """One stored row against plain decoding of its request."""
+    params = req.sample_params(row["sample"])
+    rid, j = row["id"], row["sample"]
+    if not params.greedy and params.sampler == "rejection":
+        return RowAudit(rid, j, "not auditable", note="the rejection sampler's tokens depend on the draft depth")
+    plain = engine.generate(req.prompt_ids, decode=DecodeConfig(mode="baseline"), sampling=params,
+                            max_tokens=req.max_tokens, stop=list(req.stop) or None, trace=True)
+    stored = row["completion"] or ""
+    if plain.text == stored:
+        return RowAudit(rid, j, "identical")
+    tokenizer = engine.tokenizer
+    text = lambda ids: tokenizer.decode(ids)  # noqa: E731
+    fits = lambda s: stored.startswith(s) or s.startswith(stored)  # noqa: E731  (one ends where the other goes on)
+    tokens = plain.tokens
+    i = next((i for i in range(len(tokens)) if not fits(text(tokens[: i + 1]))), len(tokens))
+    if not params.greedy or i == len(tokens):
+        note = "sampled rows are not classified" if not params.greedy else "plain decoding ended first"
+        return RowAudit(rid, j, "diverged", position=i, note=note)
+    tops = engine_tops(plain.trace)
+    here = tops[i] if i < len(tops) and tops[i] is not None else _first_tops(engine, req.prompt_ids)
+    mine = dict(here)
+    other = next((t for t, _ in here if t != tokens[i] and fits(text(tokens[:i] + [t]))), None)
+    bound = near_tie_bound(here[0][1], dtype, HALF_ULPS)
+    if other is None:
+        return RowAudit(rid, j, "diverged", position=i, bound=bound,
+                        note="the stored token is not among plain decoding's top 4 there")
+    gap = mine[tokens[i]] - mine[other]
+    return RowAudit(rid, j, "near-tie" if gap < bound else "diverged", position=i, gap=gap, bound=bound)
+
+
+def _first_tops(engine: MTPEngine, prompt: list[int]) -> list[tuple[int, float]]:
+    """Plain decoding's top logits at the first generated position (the
+    prompt's forward, which a trace does not record)."""
+    return top_logits(engine.model(mx.array([prompt]))[0, -1:])[0]
+
+
+def run_audit(folder: Path, sample: int | None, seed: int, dataset: str | None, json_path: str | None = None,
+              stream=None) -> int:
+    """The ``audit`` command: 0 when no row diverged for real, else 1
+    (``json_path``: the report as JSON too)."""
+    stream = stream or sys.stdout
+    if sample is not None and sample < 1:
+        print(f"error: --sample must be at least 1, got {sample}", file=sys.stderr)
+        return 2
+    try:
+        report = audit_folder(folder, sample, seed, dataset, log=lambda line: print(line, file=stream, flush=True))
+    except (OutputError, OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(report.summary(), file=stream)
+    if json_path:
+        Path(json_path).write_bytes(orjson.dumps({"folder": str(folder), "rows": report.rows, "summary": report.summary(),
+                                                  "audited": [asdict(a) for a in report.audited]},
+                                                 option=orjson.OPT_INDENT_2))
+    return 1 if report.count("diverged") else 0

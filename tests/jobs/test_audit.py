@@ -1,0 +1,87 @@
+"""`python -m jobs audit`: a job folder's rows against plain decoding of the
+job's own dataset and settings."""
+
+from __future__ import annotations
+
+import io
+
+import mlx.core as mx
+import pytest
+
+from jobs.audit import audit_folder, audit_row
+from jobs.cli import main
+from jobs.prompts import Request
+from jobs.runner import run_job
+from mtp_engine import MTPEngine
+from mtp_engine.io.tiny import make_tiny_checkpoint, tiny_config
+from mtp_engine.tools.lossless import engine_tops, near_tie_bound
+from tests.jobs.conftest import job_config, prompt_rows, write_jsonl
+
+
+def job(tmp_path, job_model, job_engine, **overrides):
+    data = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(6))
+    out = tmp_path / "out"
+    run_job(job_config(data, job_model, out, batch_size=3, **overrides), engine=job_engine, stream=io.StringIO())
+    return out
+
+
+@pytest.mark.parametrize("overrides", [dict(mode="chain"), dict(mode="auto", temperature=0.8, n=2, seed=3),
+                                       dict(mode="chain", temperature=0.8, sampler="rejection")])
+def test_a_jobs_rows_are_plain_decodings_own(tmp_path, job_model, job_engine, overrides):
+    out = job(tmp_path, job_model, job_engine, **overrides)
+    lines = []
+    report = audit_folder(out, engine=job_engine, log=lines.append)
+    rows = 6 * overrides.get("n", 1)
+    assert report.rows == rows and len(report.audited) == rows and len(lines) == rows
+    if overrides.get("sampler") == "rejection":  # its tokens depend on K by design
+        assert report.count("not auditable") == rows
+    else:
+        assert report.count("identical") == rows, lines
+
+
+def test_rows_another_model_wrote_are_flagged_and_the_command_exits_1(tmp_path, job_model, job_engine, capsys):
+    out = job(tmp_path, job_model, job_engine, mode="chain")
+    other = MTPEngine.load(make_tiny_checkpoint(tmp_path / "other", tiny_config(), seed=9, predictability=0.4))
+    report = audit_folder(out, sample=3, seed=1, engine=other, log=lambda line: None)
+    assert len(report.audited) == 3 and report.count("diverged") == 3
+    assert all(a.position is not None for a in report.audited)
+    # The command: a sample of the folder against the job's own model.
+    assert main(["audit", str(out), "--sample", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count(": identical") == 4 and "audited 4 of 6 completed rows: 4 identical" in printed
+
+
+def test_a_folder_whose_dataset_changed_is_refused(tmp_path, job_model, job_engine, capsys):
+    out = job(tmp_path, job_model, job_engine, mode="chain")
+    write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(7))
+    assert main(["audit", str(out)]) == 1
+    assert "is not the dataset" in capsys.readouterr().err
+    assert main(["audit", str(tmp_path / "nothing-here")]) == 1
+    assert main(["audit", str(out), "--sample", "0"]) == 2
+
+
+def test_a_divergence_on_a_near_tie_is_told_from_a_real_one(job_engine):
+    # Judged at bfloat16's bound (this CPU runs the MoE model in float32
+    # only), the tiny model has positions where its top two logits sit within
+    # a few units of the last place: a row that took the runner-up there
+    # parted at a near-tie; one that took it at a wide gap diverged.
+    engine, dtype = job_engine, mx.bfloat16
+    for text in ["def add(a, b):", "Hello, world!", "class Point:", "The quick brown fox", "import os"]:
+        ids = engine.encode(text)
+        plain = engine.generate(ids, mode="baseline", max_tokens=48, trace=True)
+        tops = engine_tops(plain.trace)
+        gaps = [(i, t[0][1] - t[1][1], near_tie_bound(t[0][1], dtype, 4.0)) for i, t in enumerate(tops)
+                if t is not None and i < len(plain.tokens)]
+        close = next(((i, b) for i, g, b in gaps if g < b), None)
+        wide = next(((i, b) for i, g, b in gaps if g > 4 * b), None)
+        if close and wide:
+            break
+    else:
+        pytest.skip("no near-tie in these decodings")
+    req = Request("r", 0, None, "", ids, 48, ())
+    for (i, bound), verdict in ((close, "near-tie"), (wide, "diverged")):
+        runner_up = tops[i][1][0]
+        stored = engine.tokenizer.decode(plain.tokens[:i] + [runner_up])
+        result = audit_row(engine, req, {"id": "r", "sample": 0, "completion": stored}, dtype)
+        assert (result.verdict, result.position) == (verdict, i)
+        assert result.gap == pytest.approx(tops[i][0][1] - tops[i][1][1]) and result.bound == pytest.approx(bound)
