@@ -14,7 +14,10 @@ committed per second. It measures both sides as the decoder runs:
   allows and is tried. A row expects ``E(d) = 1 + sum_{j<=d} prod_{i<=j} a_i`` tokens
   from a step of ``d`` drafts.
 - **Cost** of a step of ``rows x (d + 1)`` tokens on this machine and
-  model: wall seconds of the step, the median of its last `RECENT` per
+  model: the wall seconds from the end of the step before it to its own end,
+  less the rows joining meanwhile (so work a step leaves lazy, the plain
+  pipeline draining before a speculative step, and the caller's own work
+  per step all count), the median of its last `RECENT` per
   (rows rounded up to a power of two, width). A shape's first step is not counted (first-use costs:
   kernels compiling, buffers allocated). At the start plain steps and steps
   of one draft are measured; a wider step not measured yet is priced by

@@ -135,6 +135,7 @@ class Decoder:
         self._ahead_logits: mx.array | None = None  # and its logits, while a row records a trace
         self._fed: list[bool] = []
         self._plain_steps = 0
+        self._ended: float | None = None  # when the last step ended (mode "auto": step costs)
         size = decode.batch_size
         self.buckets = sorted({1 << i for i in range(size.bit_length()) if 1 << i < size} | {size})
 
@@ -208,10 +209,13 @@ class Decoder:
         """Admit queued rows, then one step for every row in flight; return
         the rows that finished. ``depth`` forces the step's drafts (0: a
         plain step; `warm_up` uses it); by default the mode decides."""
+        entered = time.perf_counter()
         finished = self._admit()
         self._compact()
         if not self.rows:
+            self._ended = None
             return finished
+        joining = time.perf_counter() - entered  # admission is not the step's cost
         if depth is None and not self.k:
             depth = 0
         elif depth is None and self.controller is None:
@@ -219,7 +223,15 @@ class Decoder:
         elif depth is None:
             live = [r for r in self.rows if not r.ghost]
             depth = self.controller.choose([r.acceptance for r in live], [r.budget for r in live], len(self.rows))
+        if depth:
+            depth = min(depth, max(r.budget for r in self.rows) - 1)
+        rows = len(self.rows)
         done = self._plain_step() if depth == 0 else self._flush() or self._speculative_step(depth)
+        if self.controller is not None:  # its cost: the wall time since the last step ended, all of it
+            ended = time.perf_counter()
+            if self._ended is not None:
+                self.controller.observe_step(rows, depth + 1, ended - self._ended - joining)
+            self._ended = ended
         for b in done:
             finished.append((self.rows[b].key, self._result(self.rows[b])))
             self.rows[b].ghost = True
@@ -227,7 +239,7 @@ class Decoder:
 
     def _speculative_step(self, k: int) -> list[int]:
         rows = self.rows
-        depth = min(k, max(r.budget for r in rows) - 1)
+        depth = k
         params = [r.sampling for r in rows]
         starts = [len(r.finisher.tokens) for r in rows]  # the generated position verify column 0 predicts
         caps = [max(0, min(depth, r.budget - 1)) for r in rows]
@@ -276,15 +288,12 @@ class Decoder:
             live = [b for b, r in enumerate(rows) if not r.ghost]
             self.controller.observe_rows([rows[b].acceptance for b in live], [len(v.paths[v.winners[b]]) for b in live],
                                          [v.accepted[v.winners[b]] for b in live])
-            self.controller.observe_step(len(rows), depth + 1, time.perf_counter() - t0)
         return done
 
     def _plain_step(self) -> list[int]:
         """One plain forward for every row, dispatched before the last
         step's tokens are read (each fed row's ``_ahead`` token)."""
         rows = self.rows
-        t0 = time.perf_counter()
-        pipelined = self._ahead is not None
         host = mx.array([[r.x] for r in rows], dtype=mx.int32)
         xs = host if self._ahead is None else mx.where(mx.array(self._fed)[:, None], self._ahead, host)
         positions = mx.array([[len(r.finisher.tokens) + fed] for r, fed in zip(rows, self._fed)], dtype=mx.int32)
@@ -302,8 +311,6 @@ class Decoder:
         self._plain_steps += 1
         if self._plain_steps % 256 == 0:
             mx.clear_cache()
-        if self.controller is not None and pipelined:  # a step's time, once the pipeline is full
-            self.controller.observe_step(len(rows), 1, time.perf_counter() - t0)
         return done
 
     def _read_ahead(self) -> list[int]:
