@@ -35,8 +35,8 @@ of plain steps (`PLAIN_RUN` at first) a speculative step consumes them and
 measures acceptance again, so a batch whose drafts start to pay is noticed.
 Each such probe after which plain steps still pay doubles the run (up to
 `MAX_PLAIN_RUN`), so a job whose drafts never pay probes rarely; a depth
-chosen on its own figures resets it. No probe is taken while the costs say
-that even drafts all accepted could not pay (`HOPELESS`: a step of ``d``
+chosen on its own figures resets it. After such a probe, no probe is taken
+while the costs say that even drafts all accepted could not pay (`HOPELESS`: a step of ``d``
 drafts emits at most ``d + 1`` tokens), as on a CPU whose sampled steps of
 one draft cost three plain ones. Every `EXPLORE_EVERY` speculative
 steps it takes the depth one above or below its best instead (alternately)
@@ -218,7 +218,8 @@ class Controller:
         self.probing = False
         if best == 0 and self.plain_run >= self.plain_limit:
             perfect = max(sum(min(d, b - 1) + 1 for b in budgets) / costs[d] for d in candidates[1:])
-            if perfect < HOPELESS * value(0):  # no acceptance could pay: nothing to measure
+            if self.plain_limit > PLAIN_RUN and perfect < HOPELESS * value(0):  # a probe said plain, and no
+                # acceptance could pay: nothing to measure
                 self.plain_run = 0
             else:
                 self.probing = True
