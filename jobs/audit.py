@@ -100,9 +100,9 @@ def audit_folder(folder: Path, sample: int | None = None, seed: int = 0, dataset
         raise OutputError(f"{folder} has no readable rows ({e}); run `python -m jobs status {folder}`") from None
     done = [r for r in table.select_columns(["id", "sample", "completion", "finish_reason"]).to_list()
             if r["finish_reason"] != "error"]
-    picked = sorted(random.Random(seed).sample(range(len(done)), sample), key=int) if sample is not None \
-        and sample < len(done) else range(len(done))
-    rows = [done[i] for i in picked]
+    rows = done
+    if sample is not None and sample < len(done):  # a sample, in the folder's order
+        rows = [done[i] for i in sorted(random.Random(seed).sample(range(len(done)), sample))]
     report = AuditReport(rows=len(done))
     engine = engine or MTPEngine.load((manifest.get("model") or {}).get("path") or config.model,
                                       options=config.engine_options())

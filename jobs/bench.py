@@ -28,6 +28,7 @@ import orjson
 
 from jobs.config import JobConfig
 from jobs.runner import run_job
+from jobs.status import folder_state
 from mtp_engine import MTPEngine
 from mtp_engine.modes import MODES
 
@@ -55,9 +56,9 @@ def run_once(engine, dataset: str, model: str, output: Path, mode: str, temperat
         for d, n in enumerate((a or {}).get("depths") or []):
             depths[d] += n
     lines = log.getvalue().splitlines()
-    warm = [float(line.rsplit(" in ", 1)[1].split()[0]) for line in lines if line.startswith("warm-up:")]
+    _, totals, _ = folder_state(output, verify=False)  # the ledgers' figures, as `jobs status` reads them
     return {"mode": mode, "temperature": temperature, "wall_s": round(wall, 3), "tokens": summary.tokens, "rows": summary.committed,
-            "tok_s": round(summary.tokens / wall, 1), "warmup_s": warm[0] if warm else None,
+            "tok_s": round(summary.tokens / wall, 1), "warmup_s": round(totals.warmup_s, 3),
             "controller": next((line for line in lines if line.startswith("auto:")), None),
             "completions": {r["id"]: r["completion"] for r in rows}, "depths": depths if name == "auto" else None}
 
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs.append(run)
                     print(f"T={temperature} round {r + 1}/{args.rounds} {mode}: {run['tok_s']} tok/s "
                           f"({run['tokens']} tokens, {run['wall_s']} s"
-                          + (f", warm-up {run['warmup_s']} s" if run["warmup_s"] is not None else "") + ")"
+                          + (f", warm-up {run['warmup_s']} s" if run["warmup_s"] else "") + ")"
                           + (f"\n  {run['controller']}" if run["controller"] else ""), file=sys.stderr, flush=True)
     summary = []
     for temperature in args.temperatures:

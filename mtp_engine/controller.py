@@ -119,7 +119,6 @@ class Controller:
     probing: bool = False
     chosen: list[int] = field(default_factory=list)  # steps that chose each depth 0..k
     speculative: int = 0  # speculative steps chosen on their own figures
-    explored: int = 0  # steps that measured a neighbouring depth again
 
     def __post_init__(self):
         self.tried = [0.0] * (self.k + 1)
@@ -226,9 +225,8 @@ class Controller:
                 best = max(candidates[1:], key=value)
         elif best:
             self.speculative += 1
-            if self.speculative % EXPLORE_EVERY == 0:
-                self.explored += 1
-                side = [best + 1, best - 1] if self.explored % 2 else [best - 1, best + 1]
+            if self.speculative % EXPLORE_EVERY == 0:  # deeper and shallower by turns
+                side = [best + 1, best - 1] if self.speculative // EXPLORE_EVERY % 2 else [best - 1, best + 1]
                 near = [d for d in side if 1 <= d <= deepest and value(d, d > best) >= EXPLORE_MARGIN * value(best)]
                 best = near[0] if near else best
         return self._chose(best)

@@ -223,7 +223,7 @@ class Decoder:
         elif depth is None:
             live = [r for r in self.rows if not r.ghost]
             depth = self.controller.choose([r.acceptance for r in live], [r.budget for r in live], len(self.rows))
-        if depth:
+        if depth:  # no more drafts than any row may still use
             depth = min(depth, max(r.budget for r in self.rows) - 1)
         rows = len(self.rows)
         done = self._plain_step() if depth == 0 else self._flush() or self._speculative_step(depth)
@@ -237,25 +237,24 @@ class Decoder:
             self.rows[b].ghost = True
         return finished
 
-    def _speculative_step(self, k: int) -> list[int]:
+    def _speculative_step(self, depth: int) -> list[int]:
+        """One step of ``depth`` >= 1 drafts (fewer for a row near its
+        budget): draft, verify, commit; return the rows that finished."""
         rows = self.rows
-        depth = k
         params = [r.sampling for r in rows]
         starts = [len(r.finisher.tokens) for r in rows]  # the generated position verify column 0 predicts
         caps = [max(0, min(depth, r.budget - 1)) for r in rows]
         self.hooks.lap(None)
         t0 = time.perf_counter()
-        proposal = self.drafter.propose(self.decode, depth, params, starts, caps) if depth > 0 else None
-        if proposal is not None:
-            self.hooks.lap("draft", proposal.tokens)
+        proposal = self.drafter.propose(self.decode, depth, params, starts, caps)
+        self.hooks.lap("draft", proposal.tokens)
         t1 = time.perf_counter()
         xs = mx.array([[r.x] for r in rows], dtype=mx.int32)
         v = verify(self.engine.model.model, self.engine.lm_head, self.caches, xs, proposal, params, starts)
         self.hooks.lap("verify", states=self.caches)
         t2 = time.perf_counter()
         paths_of: list[list[int]] = [[] for _ in rows]  # each row's verify rows (its paths, in order)
-        for i, o in enumerate(proposal.owners if proposal is not None and proposal.owners is not None
-                              else range(len(rows))):
+        for i, o in enumerate(proposal.owners if proposal.owners is not None else range(len(rows))):
             paths_of[o].append(i)
         done = []
         for b, (row, tokens) in enumerate(zip(rows, v.emitted)):
@@ -281,10 +280,9 @@ class Decoder:
             row.finisher.add(tokens)
             if row.finisher.done:
                 done.append(b)
-        if proposal is not None:
-            self.drafter.commit(v.hidden, v.emitted, v.winners)
-            self.hooks.lap("head_commit")
-        if self.controller is not None and proposal is not None:
+        self.drafter.commit(v.hidden, v.emitted, v.winners)
+        self.hooks.lap("head_commit")
+        if self.controller is not None:
             live = [b for b, r in enumerate(rows) if not r.ghost]
             self.controller.observe_rows([rows[b].acceptance for b in live], [len(v.paths[v.winners[b]]) for b in live],
                                          [v.accepted[v.winners[b]] for b in live])

@@ -109,7 +109,7 @@ class Verified:
     logits: mx.array
 
 
-def verify(trunk, lm_head, caches: list, xs: mx.array, proposal: Proposal | None, params: list[SamplingParams],
+def verify(trunk, lm_head, caches: list, xs: mx.array, proposal: Proposal, params: list[SamplingParams],
            starts: list[int]) -> Verified:
     """One trunk forward over every verify row's ``[x, drafts]``; commit each
     row's winning path to the caches.
@@ -121,15 +121,12 @@ def verify(trunk, lm_head, caches: list, xs: mx.array, proposal: Proposal | None
             row; a row with several paths is gathered into a row per path
             for the forward and back to its winner after it.
         xs: Each row's last emitted token, not yet fed, ``[R, 1]`` int32.
-        proposal: The drafts (None: a plain step, one token per row).
+        proposal: The drafts (plain steps are `Decoder._plain_step`'s).
         params: Each row's sampling.
         starts: Each row's generated position of the token ``x`` precedes.
     """
     rows = xs.shape[0]
-    if proposal is None:
-        drafts, owners, uses, q_scaled = mx.zeros((rows, 0), dtype=mx.int32), None, None, None
-    else:
-        drafts, owners, uses, q_scaled = proposal.tokens, proposal.owners, proposal.uses, proposal.q_scaled
+    drafts, owners, uses, q_scaled = proposal.tokens, proposal.owners, proposal.uses, proposal.q_scaled
     tiled = owners is not None and owners != list(range(rows))
     owners = owners if owners is not None else list(range(rows))
     width = drafts.shape[1] + 1
