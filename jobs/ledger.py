@@ -1,7 +1,9 @@
 """Ledgers: each writer's append-only record of the shards it committed.
 
 One JSON line per shard: its name, the ids it holds, its byte size, row
-count and CRC-32, the job's fingerprint and totals. A ledger repairs itself:
+count and CRC-32, the job's fingerprint and totals, and last the line's own
+CRC-32 (``"check"``, over the line's bytes before it), so a line edited into
+other valid JSON reads as damaged. A ledger repairs itself:
 
 - on open, anything after the last complete, valid line is cut (and the cut
   fsynced), whatever it is: a torn write, or garbage ending in a newline;
@@ -17,6 +19,7 @@ from __future__ import annotations
 import errno
 import os
 import time
+import zlib
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -98,6 +101,10 @@ class LedgerEntry:
             raise ValueError(f"not JSON ({e})") from None
         if not isinstance(data, dict):
             raise ValueError("not an object")
+        if "check" in data:  # lines written before the check carry none
+            body = line[: line.rfind(b',"check":')] + b"}"
+            if data["check"] != zlib.crc32(body):
+                raise ValueError("its checksum does not match its content (the line was edited or damaged)")
         names = {f.name for f in fields(cls)}
         missing = [f.name for f in fields(cls) if f.name not in data and f.default is MISSING]
         if missing:
@@ -113,7 +120,9 @@ class LedgerEntry:
         return entry
 
     def line(self) -> bytes:
-        return orjson.dumps(asdict(self)) + b"\n"
+        """The ledger line: the entry's JSON with its CRC-32 appended as ``"check"``."""
+        body = orjson.dumps(asdict(self))
+        return body[:-1] + b',"check":' + str(zlib.crc32(body)).encode() + b"}\n"
 
 
 @dataclass
@@ -199,11 +208,15 @@ class Ledger:
     def rewrite(self, entries: list[LedgerEntry]) -> None:
         """Replace the whole ledger atomically (temp file, fsync, rename)."""
         tmp = self.path.with_name(f".tmp-{self.path.name}")
-        with open_plain(tmp, "wb") as f:
-            f.write(b"".join(e.line() for e in entries))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        try:
+            with open_plain(tmp, "wb") as f:
+                f.write(b"".join(e.line() for e in entries))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:  # a full disk, say: the ledger keeps its old content
+            tmp.unlink(missing_ok=True)
+            raise
         fsync_dir(self.path.parent)
 
 

@@ -7,7 +7,9 @@ of shard names, lie in its folder, and have the size and CRC-32 its ledger
 recorded. Ids must not overlap: an id in two inputs is refused, since the
 rows may differ and exactly-once output is the contract. All of that is
 checked before anything is written; the result is built in a temporary
-folder beside ``--output`` and renamed into place only when complete. The
+folder beside ``--output`` and renamed into place only when complete (a
+killed merge leaves no ``--output``; the next merge into it removes the
+killed one's temporary folder). The
 merged folder is itself a job folder (each input's writers become writers of
 it), so ``load_from_disk``, ``status`` and resuming into it all work.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import sys
 from pathlib import Path
 
@@ -93,7 +96,8 @@ def merge(inputs: list[Path], output: Path, log=print) -> int:
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise MergeError(f"output {output} exists and is not an empty folder")
 
-    staging = output.parent / f".{output.name}.merging-{os.getpid()}"
+    _remove_stale_staging(output)
+    staging = output.parent / f".{output.name}.merging-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
@@ -126,6 +130,26 @@ def merge(inputs: list[Path], output: Path, log=print) -> int:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return rows
+
+
+def _remove_stale_staging(output: Path) -> None:
+    """Remove the staging folders of merges into ``output`` that were killed
+    on this host (their process is gone); a live merge's is left alone."""
+    prefix = f".{output.name}.merging-{socket.gethostname()}-"
+    for path in output.parent.glob(f".{output.name}.merging-*"):
+        pid = path.name[len(prefix):] if path.name.startswith(prefix) else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def merge_outputs(inputs: list[Path], output: Path) -> int:

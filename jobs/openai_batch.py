@@ -162,12 +162,16 @@ def export(folder: Path, output: Path) -> tuple[int, int]:
             continue
         lines.append(_response_line(rid, group, model))
     tmp = output.with_name(f".tmp-{output.name}")
-    with open(tmp, "wb") as f:
-        for line in lines:
-            f.write(orjson.dumps(line) + b"\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, output)
+    try:
+        with open(tmp, "wb") as f:
+            for line in lines:
+                f.write(orjson.dumps(line) + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, output)
+    except BaseException:  # a full disk, say: the output keeps its old content and no half file stays
+        tmp.unlink(missing_ok=True)
+        raise
     return len(lines), incomplete
 
 

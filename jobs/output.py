@@ -446,7 +446,7 @@ class OutputFolder:
             if state.corrupt_line is not None:
                 raise OutputError(corrupt_ledger_message(ledger, state))
             if cut := ledger.cut_tail(state):
-                self.log(f"repair: cut {cut} bytes after the last complete line of {ledger.path.name} "
+                self.log(f"repair: cut {cut} bytes after the last valid line of {ledger.path.name} "
                          "(an interrupted or damaged write)")
 
     def _adopt_viewed_shards(self) -> None:

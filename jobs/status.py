@@ -25,7 +25,7 @@ def folder_state(folder: Path, verify: bool) -> tuple[dict, Totals, list[str]]:
     damage = []
     for ledger in ledgers(folder):
         if tail := ledger.read().tail:
-            damage.append(f"{ledger.path.name}: {tail} bytes after its last complete line (cut on resume)")
+            damage.append(f"{ledger.path.name}: {tail} bytes after its last valid line (cut on resume)")
     totals = Totals()
     for _, e, problem in checked_entries(folder, checksum=verify):
         if problem == REPEATED_LINE:

@@ -1,6 +1,7 @@
 """Run ``python -m jobs`` and kill the process with SIGKILL right after the
-n-th time one step of a shard commit has run (fault injection lives here,
-in the tests, not in the runner).
+n-th time one step of a shard commit, a merge, a repair or an export has run
+(or, for ``*_before`` steps, just before it): fault injection lives here, in
+the tests, not in the runner.
 
     python tests/jobs/crash_driver.py STEP N -- generate --dataset ...
 """
@@ -8,18 +9,26 @@ in the tests, not in the runner).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 
-from jobs import cli, output
+from jobs import cli, ledger, output
 
-# Commit steps, in order: each name is wrapped so the process dies just after it.
+# Steps: each name is wrapped so the process dies just after it (just
+# before it for names ending in ``_before``).
 STEPS = {
+    # a shard commit, in order
     "shard_tmp_written": (output, "write_tmp_shard"),
     "shard_renamed": (output, "publish_shard"),
     "ledger_appended": (output.OutputFolder, "_append"),
     "atomic_written": (output, "write_atomic"),
     "views_written": (output.OutputFolder, "refresh_views"),
+    # merge, repair and export
+    "shard_copied": (shutil, "copyfile"),
+    "ledger_rewritten": (ledger.Ledger, "rewrite"),
+    "replace_before": (os, "replace"),
+    "rename_before": (os, "rename"),
 }
 
 
@@ -30,8 +39,10 @@ def kill_after(step: str, n: int) -> None:
 
     def wrapped(*args, **kwargs):
         nonlocal calls
-        result = original(*args, **kwargs)
         calls += 1
+        if calls >= n and step.endswith("_before"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        result = original(*args, **kwargs)
         if calls >= n:
             os.kill(os.getpid(), signal.SIGKILL)
         return result

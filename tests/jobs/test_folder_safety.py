@@ -11,6 +11,7 @@ import builtins
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -186,6 +187,34 @@ def test_a_ledger_damaged_in_the_middle_is_refused_then_rebuilt_by_repair(
     assert rows_by_id(out) == reference
 
 
+@pytest.mark.parametrize("where", ["middle", "last"])
+def test_a_ledger_line_edited_into_other_valid_json_is_caught_by_its_checksum(
+        tmp_path, dataset, job_model, job_engine, reference, where, capsys):
+    """An edited line still parses as an entry (its shard exists, its counts
+    are plausible); only the line's own CRC-32 tells. In the middle: refused
+    until repair; as the last line: cut, and its rows come back exactly once."""
+    out = tmp_path / "out"
+    run(dataset, job_model, job_engine, out)
+    path = out / "ledger-r000.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    i = 1 if where == "middle" else len(lines) - 1
+    edited = lines[i].replace(b'"completion_tokens":', b'"completion_tokens":1')
+    assert edited != lines[i] and json.loads(edited)["shard"]  # other valid JSON, same shard
+    lines[i] = edited
+    path.write_bytes(b"".join(lines))
+    capsys.readouterr()
+    assert main(["status", str(out)]) == 1
+    said = capsys.readouterr()
+    assert ("checksum does not match" if where == "middle" else "after its last valid line") in said.out + said.err
+    if where == "middle":
+        with pytest.raises(OutputError, match=rf"corrupt at line {i + 1} .*checksum does not match"):
+            run(dataset, job_model, job_engine, out)
+        assert main(["repair", str(out)]) == 0
+    run(dataset, job_model, job_engine, out)
+    assert rows_by_id(out) == reference
+    assert main(["status", str(out), "--verify"]) == 0
+
+
 # -- damaged shards -----------------------------------------------------------------
 
 
@@ -314,6 +343,116 @@ def test_merge_checks_every_shard_before_writing(tmp_path, dataset, job_model, j
     code = main(["merge", str(a), str(b), "--output", str(tmp_path / "merged")])
     assert code == 1 and not (tmp_path / "merged").exists()
     run(tmp_path / "b.jsonl", job_model, job_engine, b)  # the resume repairs b
+    assert main(["merge", str(a), str(b), "--output", str(tmp_path / "merged")]) == 0
+    assert rows_by_id(tmp_path / "merged") == reference
+
+
+# -- kills and full disks during merge, repair and export ------------------------------
+
+
+def _kill_at(step: str, *argv: str) -> None:
+    """Run ``python -m jobs ARGV`` and SIGKILL it at ``step`` (crash_driver.py)."""
+    name, _, n = step.partition(":")
+    killed = subprocess.run([sys.executable, str(DRIVER), name, n, "--", *argv], cwd=ROOT, capture_output=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+
+
+def _files(*folders: Path) -> dict:
+    """Every file's bytes but the lock's (which names its last holder)."""
+    return {p: p.read_bytes() for folder in folders for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+@pytest.mark.parametrize("step", ["shard_copied:1", "shard_copied:3", "replace_before:2", "ledger_rewritten:2",
+                                  "views_written:1", "rename_before:1"])
+def test_a_killed_merge_leaves_no_output_and_the_next_merge_completes(
+        tmp_path, dataset, job_model, job_engine, reference, step):
+    a, b = _two_halves(tmp_path, dataset, job_model, job_engine)
+    inputs = _files(a, b)
+    merged = tmp_path / "merged"
+    _kill_at(step, "merge", str(a), str(b), "--output", str(merged))
+    assert not merged.exists() and _files(a, b) == inputs
+    assert main(["merge", str(a), str(b), "--output", str(merged)]) == 0
+    assert rows_by_id(merged) == reference
+    assert not [p for p in tmp_path.iterdir() if ".merging-" in p.name]  # the killed merge's staging is gone
+
+
+@pytest.mark.parametrize("step", ["replace_before:1", "replace_before:2", "ledger_rewritten:1"])
+def test_a_killed_repair_is_finished_by_the_next_one(tmp_path, dataset, job_model, job_engine, reference, step):
+    """Killed before it quarantines a damaged shard, before its rebuilt
+    ledger replaces the old one, or after: the next repair and a resume
+    give the uninterrupted job's rows."""
+    out = tmp_path / "out"
+    run(dataset, job_model, job_engine, out)
+    path = out / "ledger-r000.jsonl"
+    lines = path.read_bytes().split(b"\n")
+    lines[1] = b"not json at all"
+    path.write_bytes(b"\n".join(lines))
+    _damage(out / "data-r000-00002.arrow", "truncated")
+    _kill_at(step, "repair", str(out))
+    assert main(["repair", str(out)]) == 0
+    run(dataset, job_model, job_engine, out)
+    assert rows_by_id(out) == reference
+    assert main(["status", str(out), "--verify"]) == 0
+
+
+def test_a_killed_export_leaves_the_previous_file_and_the_folder_untouched(
+        tmp_path, dataset, job_model, job_engine):
+    out, target = tmp_path / "out", tmp_path / "results.jsonl"
+    run(dataset, job_model, job_engine, out, limit=4)
+    assert main(["export", str(out), "--output", str(target)]) == 0
+    previous = target.read_bytes()
+    run(dataset, job_model, job_engine, out)
+    folder = _files(out)
+    _kill_at("replace_before:1", "export", str(out), "--output", str(target))
+    assert target.read_bytes() == previous and _files(out) == folder
+    assert main(["export", str(out), "--output", str(target)]) == 0
+    assert len(target.read_bytes().splitlines()) == len(ROWS)
+    assert sorted(p.name for p in tmp_path.iterdir() if "results" in p.name) == ["results.jsonl"]
+
+
+def test_a_full_disk_during_export_merge_or_repair_is_one_error_line_and_changes_nothing(
+        tmp_path, dataset, job_model, job_engine, reference, monkeypatch, capsys):
+    out, target = tmp_path / "out", tmp_path / "results.jsonl"
+    run(dataset, job_model, job_engine, out, limit=4)
+    assert main(["export", str(out), "--output", str(target)]) == 0
+    previous = target.read_bytes()
+    run(dataset, job_model, job_engine, out)
+    a, b = _two_halves(tmp_path, dataset, job_model, job_engine)
+    before = _files(out, a, b)
+    capsys.readouterr()
+
+    import jobs.openai_batch
+    full = {"writes": 0, "fail_at": {1}}
+    monkeypatch.setattr(jobs.openai_batch, "open",
+                        lambda p, mode="r", *args, **kw: FaultyFile(builtins.open(p, mode, *args, **kw), full),
+                        raising=False)
+    assert main(["export", str(out), "--output", str(target)]) == 1
+    monkeypatch.undo()
+
+    copies = []
+
+    def copy_until_full(src, dst, *args, **kwargs):
+        if copies:
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)", str(dst))
+        copies.append(dst)
+        return shutil.copyfile(src, dst, *args, **kwargs)
+
+    import jobs.merge
+    monkeypatch.setattr(jobs.merge, "shutil", type("S", (), {"copyfile": staticmethod(copy_until_full),
+                                                              "rmtree": staticmethod(shutil.rmtree)}))
+    assert main(["merge", str(a), str(b), "--output", str(tmp_path / "merged")]) == 1
+    monkeypatch.undo()
+
+    inject(monkeypatch, ".tmp-ledger-r000", {1})
+    assert main(["repair", str(out)]) == 1
+    monkeypatch.undo()
+
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(line.startswith("error: ") and "No space left" in line for line in err), err
+    assert target.read_bytes() == previous and _files(out, a, b) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "a.jsonl", "b", "b.jsonl", "out", "results.jsonl"]
     assert main(["merge", str(a), str(b), "--output", str(tmp_path / "merged")]) == 0
     assert rows_by_id(tmp_path / "merged") == reference
 
