@@ -16,6 +16,7 @@ from jobs.lock import FolderInUse
 from jobs.merge import merge_outputs
 from jobs.openai_batch import export_folder
 from jobs.output import OutputError
+from jobs.prompts import TemplateStuck
 from jobs.readers import DatasetError
 from jobs.repair import repair_folder
 from jobs.runner import resume_hint
@@ -166,7 +167,8 @@ def _generate(args) -> int:
         print("interrupted before decoding started; rows committed earlier are intact", file=sys.stderr)
         print(f"resume with: {resume_hint()}", file=sys.stderr)
         return EXIT_SIGINT
-    except (FileNotFoundError, CheckpointError, DatasetError, OutputError, ConfigError, FolderInUse) as e:
+    except (FileNotFoundError, CheckpointError, DatasetError, OutputError, ConfigError, FolderInUse,
+            TemplateStuck) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
     except OSError as e:  # reading the model or dataset

@@ -6,12 +6,16 @@ Optional per-row fields override the job's: ``max_tokens``, ``stop``,
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed`` and ``n``. A line
 of an OpenAI batch file is read as such a row (`jobs.openai_batch`). Every
 problem becomes one error row with a kind and a message; nothing here
-raises for bad input.
+raises for bad input, except a chat template that runs past
+``RENDER_LIMIT_S`` on each of the first ``STUCK_ROWS`` chat rows
+(`TemplateStuck`: the template loops, and every row would wait).
 """
 
 from __future__ import annotations
 
 import hashlib
+import signal
+import threading
 from dataclasses import dataclass, replace
 
 from jobs import openai_batch
@@ -20,6 +24,38 @@ from jobs.readers import SourceRow
 from mtp_engine.sampling import SamplingParams
 
 SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "min_p", "seed")
+RENDER_LIMIT_S = 10.0
+"""Seconds a chat template may take to render one row (a real one takes
+milliseconds); a row past it is an error row ``template_timeout``."""
+STUCK_ROWS = 3
+"""Chat rows that time out, with none rendered before them, after which the
+job stops (`TemplateStuck`) instead of waiting on every row."""
+
+
+class TemplateStuck(Exception):
+    """The chat template runs past the time limit on every row tried."""
+
+
+class _RenderTimeout(Exception):
+    pass
+
+
+def _within(seconds: float, fn):
+    """``fn()``, interrupted after ``seconds`` by SIGALRM (`_RenderTimeout`);
+    without a limit off the main thread, where no signal can reach it."""
+    if threading.current_thread() is not threading.main_thread():
+        return fn()
+
+    def expire(signum, frame):
+        raise _RenderTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def raw_id(data: dict | None, id_field: str):
@@ -94,6 +130,8 @@ class Preparer:
         self.seen: set[str] = set()
         self.sampling_allowed = sampling_allowed
         self.unknown = openai_batch.UnknownFields(log)
+        self.rendered = 0  # chat rows rendered in time
+        self.timeouts = 0
 
     def row_id(self, row: SourceRow) -> tuple[str, str | None]:
         """The row's id and, if it is unusable, why."""
@@ -215,11 +253,20 @@ class Preparer:
         if self.config.system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.config.system_prompt}] + messages
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
-            )
+            text = _within(RENDER_LIMIT_S, lambda: self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False))
+        except _RenderTimeout:
+            self.timeouts += 1
+            if not self.rendered and self.timeouts >= STUCK_ROWS:
+                raise TemplateStuck(
+                    f"the model's chat template ran for more than {RENDER_LIMIT_S:g} s on each of the first "
+                    f"{self.timeouts} chat rows without finishing (a loop in the template?); fix the template "
+                    "(tokenizer_config.json or chat_template.jinja) or give prompts as plain text") from None
+            return "template_timeout", f"chat template did not finish rendering within {RENDER_LIMIT_S:g} s"
         except Exception as e:  # jinja errors from the model's own template
             return "template_error", f"chat template failed: {e}"
+        self.rendered += 1
+        return text
 
     @staticmethod
     def _error(row: SourceRow, rid: str, kind: str, message: str, prompt: str | None = None,

@@ -40,7 +40,7 @@ from jobs.output import (
     writer_name,
 )
 from jobs.progress import Progress
-from jobs.prompts import Preparer, Request, RowError, raw_id
+from jobs.prompts import Preparer, Request, RowError, TemplateStuck, raw_id
 from jobs.readers import PromptSource
 from mtp_engine import MTPEngine
 from mtp_engine.decoder import Decoder
@@ -320,9 +320,13 @@ def _run(config, engine, source, total, out, ranks, stream, log, version) -> Job
 
     started = time.perf_counter()
     with StopRequest() as stop:
-        work = _work(source, config, preparer, out.done, rank, world, stop)
+        stuck: list[TemplateStuck] = []
+        work = _work(source, config, preparer, out.done, rank, world, stop, stuck)
         _decode(engine, config, work, finish, stop, log=progress.log, warmed=buffer.warmed)
         buffer.flush()
+        if stuck:  # the rows admitted before it were finished and committed
+            progress.close()
+            raise stuck[0]
         progress.close()
         if world > 1 and not stop.requested:
             ranks.barrier()  # every rank's rows are committed
@@ -379,8 +383,9 @@ def _row_n_hint(row, config: JobConfig) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else config.n
 
 
-def _work(source, config, preparer, done, rank, world, stop) -> Iterator[Work | RowError]:
-    """Rows still to do, prepared, in dataset order (stops when asked)."""
+def _work(source, config, preparer, done, rank, world, stop, stuck: list) -> Iterator[Work | RowError]:
+    """Rows still to do, prepared, in dataset order (stops when asked, or
+    when the chat template is stuck: the error goes into ``stuck``)."""
     for row in source:
         if config.limit is not None and row.index >= config.limit:
             return
@@ -389,7 +394,11 @@ def _work(source, config, preparer, done, rank, world, stop) -> Iterator[Work | 
             continue
         if stop.requested:
             return
-        item = error if error is not None else preparer.prepare(row, rid)
+        try:
+            item = error if error is not None else preparer.prepare(row, rid)
+        except TemplateStuck as e:
+            stuck.append(e)
+            return
         if isinstance(item, RowError):
             if (rid, 0) not in done:  # a row that cannot be generated: one error row, sample 0
                 yield item

@@ -74,23 +74,27 @@ def test_two_ranks_produce_exactly_the_single_process_rows(tmp_path, job_model, 
     assert writers == {"r000", "r001"}
 
 
-def test_kill_one_rank_then_resume_with_three(tmp_path, job_model, rows, reference):
+@pytest.mark.parametrize("rank", [0, 1])
+def test_kill_one_rank_then_resume_with_three(tmp_path, job_model, rows, reference, rank):
+    """SIGKILL to one rank once it has committed a shard (rank 0 holds the
+    folder's lock for both), then the rest: the rows in the folder are the
+    uninterrupted job's, and three ranks finish it exactly once."""
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out"
-    proc = subprocess.Popen(launch_cmd(2, dataset, job_model, out, 52200), cwd=ROOT,
+    proc = subprocess.Popen(launch_cmd(2, dataset, job_model, out, 52200 + 10 * rank), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 180
     killed = False
     while time.time() < deadline and proc.poll() is None:
         state = out / "state.json"
-        if state.exists() and b"data-r001-" in state.read_bytes():
-            pid = rank_pids(out).get(1)
+        if state.exists() and f"data-r00{rank}-".encode() in state.read_bytes():
+            pid = rank_pids(out).get(rank)
             if pid:
                 os.kill(pid, signal.SIGKILL)
                 killed = True
                 break
         time.sleep(0.02)
-    assert killed, "rank 1 was not found running"
+    assert killed, f"rank {rank} was not found running"
     time.sleep(1.0)
     os.killpg(proc.pid, signal.SIGKILL)  # the survivor may wait on the dead rank
     proc.wait(timeout=30)
@@ -99,7 +103,7 @@ def test_kill_one_rank_then_resume_with_three(tmp_path, job_model, rows, referen
     for rid, row in partial.items():
         assert row == reference[rid]
 
-    resumed = subprocess.run(launch_cmd(3, dataset, job_model, out, 52300), cwd=ROOT, capture_output=True, timeout=300)
+    resumed = subprocess.run(launch_cmd(3, dataset, job_model, out, 52300 + 10 * rank), cwd=ROOT, capture_output=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout.decode() + resumed.stderr.decode()
     assert rows_by_id(out) == reference
     assert sum(e.rows for e in read_all_ledgers(out)) == len(rows)

@@ -457,6 +457,62 @@ def test_a_full_disk_during_export_merge_or_repair_is_one_error_line_and_changes
     assert rows_by_id(tmp_path / "merged") == reference
 
 
+# -- a chat template that loops ---------------------------------------------------------
+
+LOOPING_TEMPLATE = (
+    "{% for m in messages %}{% if 'LOOP' in m.content %}{% for i in range(100000) %}{% for j in range(100000) %}"
+    "{% endfor %}{% endfor %}{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def looping_model(tmp_path_factory, job_model) -> Path:
+    """The test model with a chat template that loops ~1e10 times on any
+    message containing LOOP (minutes to hours per row)."""
+    model = tmp_path_factory.mktemp("looping") / "model"
+    shutil.copytree(job_model, model)
+    tok_cfg = json.loads((model / "tokenizer_config.json").read_text())
+    tok_cfg["chat_template"] = LOOPING_TEMPLATE
+    (model / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    return model
+
+
+def _chat(i: int, loop: bool) -> dict:
+    return {"id": f"chat-{i}", "messages": [{"role": "user", "content": ("LOOP " if loop else "") + ROWS[i]["prompt"]}]}
+
+
+def test_a_chat_template_that_loops_on_one_row_makes_that_row_an_error(tmp_path, looping_model, monkeypatch):
+    from jobs import prompts
+    from mtp_engine import MTPEngine
+
+    monkeypatch.setattr(prompts, "RENDER_LIMIT_S", 0.5)
+    rows = [_chat(0, False), _chat(1, True), _chat(2, False)]
+    out = tmp_path / "out"
+    started = time.perf_counter()
+    run(write_jsonl(tmp_path / "in.jsonl", rows), looping_model, MTPEngine.load(looping_model), out)
+    assert time.perf_counter() - started < 60
+    ds = {r["id"]: r for r in datasets.load_from_disk(str(out))}
+    assert ds["chat-1"]["finish_reason"] == "error" and "within 0.5 s" in ds["chat-1"]["error"]
+    assert ds["chat-0"]["finish_reason"] != "error" and ds["chat-2"]["finish_reason"] != "error"
+
+
+def test_a_chat_template_that_loops_on_every_row_stops_the_job_with_one_line(
+        tmp_path, dataset, looping_model, monkeypatch, capsys):
+    """The job stops after the first chat rows time out instead of waiting on
+    each of thousands; the rows before them (plain prompts) are finished and
+    committed, and so are the timed-out rows' error rows."""
+    from jobs import prompts
+
+    monkeypatch.setattr(prompts, "RENDER_LIMIT_S", 0.5)
+    data = write_jsonl(tmp_path / "in.jsonl", ROWS[:2] + [_chat(i, True) for i in range(2, 8)])
+    out = tmp_path / "out"
+    code = main(["generate", "--dataset", str(data), "--model", str(looping_model), "--output", str(out),
+                 "--max-tokens", "8", "--rows-per-shard", "2"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert code == 1 and len(err) == 1 and "chat template ran for more than 0.5 s on each of the first 3" in err[0]
+    assert set(rows_by_id(out)) == {"row-0", "row-1", "chat-2", "chat-3"}
+
+
 # -- ids, datasets, empty inputs ---------------------------------------------------------
 
 
