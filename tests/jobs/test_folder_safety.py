@@ -167,14 +167,18 @@ def test_a_repeated_ledger_line_is_dropped_not_taken_for_a_repeating_shard(
     assert main(["status", str(out)]) == 0 and len(path.read_bytes().splitlines()) == len(read_all_ledgers(out))
 
 
-def test_a_ledger_damaged_in_the_middle_is_refused_then_rebuilt_by_repair(
-        tmp_path, dataset, job_model, job_engine, reference, capsys):
-    out = tmp_path / "out"
-    run(dataset, job_model, job_engine, out)
+def _garble_second_ledger_line(out: Path) -> None:
     path = out / "ledger-r000.jsonl"
     lines = path.read_bytes().split(b"\n")
     lines[1] = b"not json at all"
     path.write_bytes(b"\n".join(lines))
+
+
+def test_a_ledger_damaged_in_the_middle_is_refused_then_rebuilt_by_repair(
+        tmp_path, dataset, job_model, job_engine, reference, capsys):
+    out = tmp_path / "out"
+    run(dataset, job_model, job_engine, out)
+    _garble_second_ledger_line(out)
     with pytest.raises(OutputError, match=r"ledger-r000.jsonl is corrupt at line 2 .*python -m jobs repair"):
         run(dataset, job_model, job_engine, out)
     assert main(["status", str(out)]) == 1
@@ -385,10 +389,7 @@ def test_a_killed_repair_is_finished_by_the_next_one(tmp_path, dataset, job_mode
     give the uninterrupted job's rows."""
     out = tmp_path / "out"
     run(dataset, job_model, job_engine, out)
-    path = out / "ledger-r000.jsonl"
-    lines = path.read_bytes().split(b"\n")
-    lines[1] = b"not json at all"
-    path.write_bytes(b"\n".join(lines))
+    _garble_second_ledger_line(out)
     _damage(out / "data-r000-00002.arrow", "truncated")
     _kill_at(step, "repair", str(out))
     assert main(["repair", str(out)]) == 0
