@@ -1,7 +1,9 @@
 """Command line: ``python -m jobs generate|status|repair|merge|export|audit ...``.
 
 The CLI only parses: it builds a `JobConfig` (flags over a YAML/JSON config
-file over defaults) and calls the runner.
+file over defaults) and calls the runner. Each command imports what it
+runs when it runs (mlx-lm, pyarrow and datasets take seconds to
+import), so ``--help`` and a usage error answer at once.
 """
 
 from __future__ import annotations
@@ -11,17 +13,6 @@ import sys
 from pathlib import Path
 
 from jobs.config import ConfigError, JobConfig, read_config_file
-from jobs.distributed import run_distributed_or_local
-from jobs.lock import FolderInUse
-from jobs.merge import merge_outputs
-from jobs.openai_batch import export_folder
-from jobs.output import OutputError
-from jobs.prompts import TemplateStuck
-from jobs.readers import DatasetError
-from jobs.repair import repair_folder
-from jobs.runner import resume_hint
-from jobs.status import print_status
-from mtp_engine import CheckpointError
 from mtp_engine.modes import DRAFTERS, MODES, DecodeConfig
 from mtp_engine.modes import HELP as DECODE_HELP
 from mtp_engine.sampling import HELP as SAMPLING_HELP
@@ -141,12 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         return _generate(args)
     if args.command == "status":
+        from jobs.status import print_status
+
         return print_status(Path(args.output), verify=args.verify)
     if args.command == "repair":
+        from jobs.repair import repair_folder
+
         return repair_folder(Path(args.output))
     if args.command == "merge":
+        from jobs.merge import merge_outputs
+
         return merge_outputs([Path(p) for p in args.inputs], Path(args.output))
     if args.command == "export":
+        from jobs.openai_batch import export_folder
+
         return export_folder(Path(args.output_dir), Path(args.output), args.format)
     if args.command == "audit":
         from jobs.audit import run_audit  # loads the model and mlx-lm's generation
@@ -161,6 +160,17 @@ def _generate(args) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    try:  # Ctrl-C while MLX and the runner import is a start-up interrupt too
+        from jobs.distributed import run_distributed_or_local
+        from jobs.lock import FolderInUse
+        from jobs.output import OutputError
+        from jobs.prompts import TemplateStuck
+        from jobs.readers import DatasetError
+        from jobs.runner import resume_hint
+        from mtp_engine.model.loader import CheckpointError
+    except KeyboardInterrupt:
+        print("interrupted before decoding started; nothing was written", file=sys.stderr)
+        return EXIT_SIGINT
     try:
         summary = run_distributed_or_local(config)
     except KeyboardInterrupt:  # Ctrl-C before decoding started (loading the model, opening the folder)

@@ -11,7 +11,7 @@ from pathlib import Path
 from mtp_engine.modes import DecodeConfig
 from mtp_engine.options import EngineOptions
 from mtp_engine.sampling import SamplingParams
-from schemas.arrow import SCHEMA_VERSION
+from schemas import SCHEMA_VERSION
 
 BATCHED_MODES = ("auto", "chain", "baseline")
 """Modes that decode `DEFAULT_BATCH_SIZE` rows at once unless told; the tree

@@ -30,7 +30,6 @@ import secrets
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 SAMPLERS = ("exact", "rejection")
 
@@ -110,6 +109,8 @@ def make_sampling(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, 
 def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:
     """Log-probabilities over the last axis with filtered tokens at -inf:
     top-p, min-p, then top-k, as mlx-lm's ``make_sampler`` applies them."""
+    from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p  # here: importing mlx-lm takes ~1 s
+
     logprobs = logits.astype(mx.float32)
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
     if params.top_p < 1:

@@ -18,10 +18,8 @@ from __future__ import annotations
 import datasets
 import pyarrow as pa
 
+from schemas import SCHEMA_VERSION, SCHEMA_VERSIONS  # noqa: F401  (defined there, read here too)
 from schemas.records import GenerationResult
-
-SCHEMA_VERSION = 3
-SCHEMA_VERSIONS = (1, 2, 3)
 
 ACCEPTANCE_TYPE = pa.struct(
     [

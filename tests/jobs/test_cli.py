@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import datasets
 import pytest
 
 from jobs.cli import build_parser, config_from_args, main
 from tests.jobs.conftest import prompt_rows, write_jsonl
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse(argv):
@@ -69,18 +74,29 @@ def test_a_config_value_of_the_wrong_type_is_one_error_line_and_deletes_nothing(
 def test_ctrl_c_during_start_up_prints_the_resume_line_not_a_traceback(tmp_path, job_model, capsys, monkeypatch):
     """SIGINT while the model loads arrives as KeyboardInterrupt (the job's
     own handler is not installed yet): one line, the resume command, 130."""
-    import jobs.cli
+    import jobs.distributed
 
     def interrupted(config):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(jobs.cli, "run_distributed_or_local", interrupted)
+    monkeypatch.setattr(jobs.distributed, "run_distributed_or_local", interrupted)
     dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(2))
     code = main(["generate", "--dataset", str(dataset), "--model", str(job_model), "--output", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert code == 130 and "Traceback" not in err
     assert err.splitlines()[0] == "interrupted before decoding started; rows committed earlier are intact"
     assert err.splitlines()[1].startswith("resume with: ")
+
+
+def test_help_imports_neither_mlx_lm_nor_datasets():
+    """``--help`` answers at once: the commands import mlx-lm, transformers,
+    pyarrow and datasets (seconds) only when they run."""
+    probe = ("import sys\nfrom jobs.cli import main\ntry:\n    main(['generate', '--help'])\nexcept SystemExit:\n"
+             "    pass\nprint(sorted(m for m in ('mlx_lm', 'datasets', 'pyarrow', 'transformers') "
+             "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_help_documents_every_setting(capsys):
