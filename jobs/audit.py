@@ -33,7 +33,7 @@ from jobs.config import JobConfig
 from jobs.output import OutputError, read_manifest
 from jobs.prompts import Preparer, Request
 from jobs.readers import PromptSource
-from jobs.runner import _raw_ids
+from jobs.runner import scan_dataset
 from mtp_engine import MTPEngine
 from mtp_engine.decoder import top_logits
 from mtp_engine.modes import DecodeConfig
@@ -121,7 +121,7 @@ def _requests(config: JobConfig, engine: MTPEngine, source: PromptSource, wanted
               schema_version: int) -> dict[str, Request]:
     """The job's requests for these ids, prepared as the job prepared them
     (ids claimed in dataset order, so made-up ids of duplicates match)."""
-    preparer = Preparer(config, engine.tokenizer, engine.context_length, reserved_ids=_raw_ids(source, config),
+    preparer = Preparer(config, engine.tokenizer, engine.context_length, reserved_ids=scan_dataset(source, config).ids,
                         sampling_allowed=schema_version >= 2)
     found = {}
     for row in source:

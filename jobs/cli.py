@@ -186,12 +186,8 @@ def _generate(args) -> int:
         return EXIT_FAILED
 
     rate = f", {summary.tokens / summary.elapsed_s:.1f} tok/s" if summary.elapsed_s > 0 else ""
-    print(
-        f"{'interrupted' if summary.interrupted else 'done'}: {summary.done}"
-        f"{'/' + str(summary.total) if summary.total is not None else ''} rows committed "
-        f"({summary.committed} this run, {summary.errors} errors, {summary.tokens} tokens){rate}",
-        file=sys.stderr,
-    )
+    print(f"{'interrupted' if summary.interrupted else 'done'}: {summary.count()} committed "
+          f"({summary.committed} this run, {summary.errors} errors, {summary.tokens} tokens){rate}", file=sys.stderr)
     print(f"output: {summary.output}  (datasets.load_from_disk({str(summary.output)!r}))", file=sys.stderr)
     if summary.interrupted:
         print(f"resume with: {resume_hint()}", file=sys.stderr)

@@ -115,7 +115,7 @@ def merge(inputs: list[Path], output: Path, log=print) -> int:
                     merged.append(LedgerEntry(**{**e.__dict__, "shard": target, "writer": name}))
                 Ledger(staging / f"ledger-{name}.jsonl").rewrite(merged)
                 writer += 1
-        manifest = {**first, "merged_from": [str(p) for p in inputs]}
+        manifest = {**first, "dataset": _merged_dataset(manifests), "merged_from": [str(p) for p in inputs]}
         write_atomic(staging / MANIFEST, orjson.dumps(manifest))
         # Views and a full check of the copies, still in the staging folder.
         out = OutputFolder(staging, writer_name(0), log=log)
@@ -130,6 +130,20 @@ def merge(inputs: list[Path], output: Path, log=print) -> int:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return rows
+
+
+def _merged_dataset(manifests: list[dict]) -> dict:
+    """The merged folder's dataset: the inputs' one where they share it,
+    else every input's path, with their prompts and completions summed."""
+    each = [m.get("dataset") or {} for m in manifests]
+    if all(d.get("identity") == each[0].get("identity") for d in each):
+        return each[0]
+
+    def total(key):
+        values = [d.get(key) for d in each]
+        return None if None in values else sum(values)
+    return {**each[0], "path": [d.get("path") for d in each], "rows": total("rows"),
+            "completions": total("completions"), "inputs": each}
 
 
 def _remove_stale_staging(output: Path) -> None:

@@ -7,22 +7,27 @@ import time
 
 
 class Progress:
-    """Reports rows done, tokens/s, acceptance length and ETA.
+    """Reports output rows done, tokens/s, acceptance length and ETA.
 
     Args:
-        total: Rows to do in this run (None if unknown).
-        done: Rows already done before this run.
+        total: Output rows (completions) the job makes (None if unknown).
+        prompts: The prompts they come from, where prompts ask for several
+            completions (``--n``), else None: the lines then count
+            completions and name the prompts.
+        done: Output rows already done before this run.
         stream: Where to write (default stderr).
         interval: Seconds between log lines when not on a terminal.
         prefix: Put before every line (the rank under mlx.launch).
     """
 
     def __init__(
-        self, total: int | None, done: int = 0, stream=None, interval: float = 10.0, prefix: str = ""
+        self, total: int | None, done: int = 0, stream=None, interval: float = 10.0, prefix: str = "",
+        prompts: int | None = None,
     ):
         self.stream = stream or sys.stderr
         self.prefix = prefix
         self.total = total
+        self.prompts = prompts
         self.done = done
         self.errors = 0
         self.tokens = 0
@@ -36,7 +41,8 @@ class Progress:
         if self.stream.isatty() and not prefix:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, initial=done, unit="row", file=self.stream, dynamic_ncols=True)
+            self._bar = tqdm(total=total, initial=done, unit="completion" if prompts else "row", file=self.stream,
+                             dynamic_ncols=True)
 
     def update(self, *, error: bool, tokens: int = 0, steps: int = 0, accepted: int = 0) -> None:
         self.done += 1
@@ -71,7 +77,9 @@ class Progress:
         if self.total and self._rows_this_run:
             left = (self.total - self.done) * elapsed / self._rows_this_run
             eta = f" | ETA {_clock(left)}"
-        return f"rows {self.done}{total}{pct} | {self._postfix()}{eta} | elapsed {_clock(elapsed)}"
+        what = f"completions {self.done}{total}{pct} of {self.prompts} prompts" if self.prompts else \
+            f"rows {self.done}{total}{pct}"
+        return f"{what} | {self._postfix()}{eta} | elapsed {_clock(elapsed)}"
 
     def log(self, message: str) -> None:
         message = self.prefix + message

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import secrets
 import shlex
 import signal
@@ -53,8 +54,10 @@ class JobSummary:
 
     Attributes:
         output: The output folder.
-        total: Rows of the dataset for this process (None if unknown).
-        done: Rows (completions) committed in total (this and earlier runs).
+        total: Prompts of the dataset (rows of the input; None if unknown).
+        done: Completions (output rows) committed in total (this and
+            earlier runs).
+        completions: Completions the dataset asks for (each prompt's n).
         committed: Rows committed by this run.
         errors: Error rows committed by this run.
         tokens: Completion tokens committed by this run.
@@ -65,11 +68,21 @@ class JobSummary:
     output: Path
     total: int | None
     done: int
+    completions: int | None
     committed: int
     errors: int
     tokens: int
     elapsed_s: float = 0.0
     interrupted: str | None = None
+
+    def count(self) -> str:
+        """``8/8 rows``, or ``24/24 completions of 8 prompts`` where prompts
+        ask for several."""
+        if self.completions is None or self.total is None:
+            return f"{self.done} rows"
+        if self.completions == self.total:
+            return f"{self.done}/{self.total} rows"
+        return f"{self.done}/{self.completions} completions of {self.total} prompts"
 
 
 class StopRequest:
@@ -163,7 +176,7 @@ class _Buffer:
         self.last_commit = now
 
 
-def build_manifest(config: JobConfig, engine: MTPEngine, source: PromptSource, total: int | None, world: int,
+def build_manifest(config: JobConfig, engine: MTPEngine, source: PromptSource, scan: "DatasetScan", world: int,
                    schema_version: int = SCHEMA_VERSION) -> dict:
     model_id = model_identity(config.model)
     template = getattr(engine.tokenizer, "chat_template", None)
@@ -174,7 +187,8 @@ def build_manifest(config: JobConfig, engine: MTPEngine, source: PromptSource, t
         "fingerprint_parts": parts,
         "config": config.to_dict(),
         "model": {**model_id, "path": str(Path(config.model).expanduser().resolve())},
-        "dataset": {"path": config.dataset, "rows": total, "identity": source.identity()},
+        "dataset": {"path": config.dataset, "rows": scan.prompts, "completions": scan.completions,
+                    "identity": source.identity()},
         "world_size": world,
     }
 
@@ -206,17 +220,15 @@ def run_job(
     engine = engine or MTPEngine.load(config.model, options=config.engine_options())
     config = config.resolved()
     source = PromptSource(config.dataset)
-    total = len(source)
-    if config.limit is not None:
-        total = min(total, config.limit)
+    scan = scan_dataset(source, config)
     prefix = f"[rank {rank}/{world}] " if world > 1 else ""
     log = lambda m: print(prefix + m, file=stream, flush=True)  # noqa: E731
     out = OutputFolder(Path(config.output), writer_name(rank), log=log)
     version = _schema_version(config)
-    manifest = build_manifest(config, engine, source, total, world, version)
+    manifest = build_manifest(config, engine, source, scan, world, version)
     try:
         _open_folder(out, config, manifest, ranks)
-        return _run(config, engine, source, total, out, ranks, stream, log, version)
+        return _run(config, engine, source, scan, out, ranks, stream, log, version)
     except OSError as e:
         raise OutputError(_os_error_message(e, out)) from None
     finally:
@@ -285,15 +297,15 @@ def _os_error_message(e: OSError, out: OutputFolder) -> str:
     return f"cannot write to {out.path}: {what}{where}{'; ' + hint if hint else ''}. {kept}"
 
 
-def _run(config, engine, source, total, out, ranks, stream, log, version) -> JobSummary:
+def _run(config, engine, source, scan, out, ranks, stream, log, version) -> JobSummary:
     rank, world = ranks.rank, ranks.world
     progress_log = lambda m: progress.log(m)  # noqa: E731  (progress is made below)
-    preparer = Preparer(config, engine.tokenizer, engine.context_length, reserved_ids=_raw_ids(source, config),
+    preparer = Preparer(config, engine.tokenizer, engine.context_length, reserved_ids=scan.ids,
                         sampling_allowed=version >= 2, log=progress_log)
     buffer = _Buffer(out, config.rows_per_shard, config.commit_seconds)
-    mine_total = total * config.n if world == 1 and total is not None else None
     progress = Progress(
-        mine_total,
+        scan.completions if world == 1 else None,
+        prompts=scan.prompts if scan.completions != scan.prompts else None,
         done=len(out.done) if world == 1 else 0,
         stream=stream,
         prefix=f"[rank {rank}/{world}] " if world > 1 else "",
@@ -335,8 +347,9 @@ def _run(config, engine, source, total, out, ranks, stream, log, version) -> Job
 
     return JobSummary(
         output=out.path,
-        total=total,
+        total=scan.prompts,
         done=len(out.done),
+        completions=scan.completions,
         committed=buffer.committed,
         errors=buffer.errors,
         tokens=buffer.tokens,
@@ -345,17 +358,34 @@ def _run(config, engine, source, total, out, ranks, stream, log, version) -> Job
     )
 
 
-def _raw_ids(source: PromptSource, config: JobConfig) -> set[str]:
-    """Every id the dataset itself gives (a pass over its rows), so ids made
-    for duplicates never take one of them."""
-    ids = set()
+@dataclass(frozen=True)
+class DatasetScan:
+    """One pass over the dataset before the job starts.
+
+    Attributes:
+        ids: Every id the dataset gives itself, so ids made for duplicates
+            never take one of them.
+        prompts: Its rows (prompts) up to ``--limit``.
+        completions: The completions they ask for: each row's n (the job's
+            unless the row sets a valid one).
+    """
+
+    ids: set[str]
+    prompts: int
+    completions: int
+
+
+def scan_dataset(source: PromptSource, config: JobConfig) -> DatasetScan:
+    ids, prompts, completions = set(), 0, 0
     for row in source:
         if config.limit is not None and row.index >= config.limit:
             break
+        prompts += 1
+        completions += 1 if row.error is not None else _row_n_hint(row, config)  # an unreadable row: one error row
         raw = raw_id(row.data, config.id_field)
         if isinstance(raw, (str, int)) and not isinstance(raw, bool):
             ids.add(str(raw))
-    return ids
+    return DatasetScan(ids, prompts, completions)
 
 
 def _describe_sampling(config: JobConfig) -> str:
@@ -532,4 +562,11 @@ def _decode(engine, config, work, finish, stop, log=None, warmed=lambda seconds:
 
 
 def resume_hint() -> str:
-    return "python -m jobs " + shlex.join(sys.argv[1:])
+    """The command that resumes this job, with the interpreter running it
+    (relative to the working folder where it lies below it, as ``.venv/bin/python``
+    does), so it works as printed outside the virtualenv too."""
+    python = sys.executable
+    relative = os.path.relpath(python) if os.path.isabs(python) else python
+    if not relative.startswith(".."):
+        python = relative
+    return f"{shlex.quote(python)} -m jobs " + shlex.join(sys.argv[1:])

@@ -38,6 +38,30 @@ def folder_state(folder: Path, verify: bool) -> tuple[dict, Totals, list[str]]:
     return manifest, totals, damage
 
 
+def count_line(done: int, dataset: dict, cfg: dict) -> str:
+    """``8/8 done (100.0%)``, or ``24/24 completions done (100.0%) of 8
+    prompts`` where prompts ask for several."""
+    prompts = dataset.get("rows")
+    expected = dataset.get("completions")
+    if expected is None and prompts is not None:  # manifests before the count: every prompt the job's n
+        expected = prompts * (cfg.get("n") or 1)
+    pct = f" ({100 * done / expected:.1f}%)" if expected else ""
+    if expected is None or expected == prompts:
+        return f"{done}/{expected if expected is not None else '?'} done{pct}"
+    return f"{done}/{expected} completions done{pct} of {prompts} prompts"
+
+
+def describe_mode(cfg: dict) -> str:
+    """The mode and the settings it uses."""
+    mode = cfg.get("mode")
+    used = {"auto": ["draft_tokens"], "chain": ["draft_tokens"], "adaptive": ["draft_tokens", "tau"],
+            "paths": ["draft_tokens", "paths"], "tree": ["draft_tokens", "tree_pos2"],
+            "adaptive_tree": ["draft_tokens", "tau"]}.get(mode, [])
+    names = {"draft_tokens": "K", "paths": "P"}
+    settings = ", ".join(f"{names.get(k, k)}={cfg.get(k)}" for k in used)
+    return f"{mode} ({settings})" if settings else str(mode)
+
+
 def print_status(folder: Path, verify: bool = False, stream=None) -> int:
     stream = stream or sys.stdout
     try:
@@ -46,14 +70,14 @@ def print_status(folder: Path, verify: bool = False, stream=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     cfg = manifest.get("config", {})
-    total = manifest.get("dataset", {}).get("rows")
-    pct = f" ({100 * t.rows / total:.1f}%)" if total else ""
+    dataset = manifest.get("dataset", {})
+    paths = dataset.get("path")
     lines = [
         f"output:    {folder}",
-        f"dataset:   {manifest.get('dataset', {}).get('path')}",
+        f"dataset:   {', '.join(map(str, paths)) if isinstance(paths, list) else paths}",
         f"model:     {manifest.get('model', {}).get('path')}",
-        f"mode:      {cfg.get('mode')} (K={cfg.get('draft_tokens')}, P={cfg.get('paths')}, tau={cfg.get('tau')})",
-        f"rows:      {t.rows}/{total if total is not None else '?'} done{pct}, {t.errors} errors",
+        f"mode:      {describe_mode(cfg)}",
+        f"rows:      {count_line(t.rows, dataset, cfg)}, {t.errors} errors",
         f"tokens:    {t.completion_tokens} completion tokens in {t.shards} shards",
         f"speed:     {t.tokens_per_s:.1f} tokens/s (over {t.elapsed_s:.0f} s of work; ranks at work together count once)" if t.tokens_per_s else "speed:     -",
         f"acceptance length: {t.acceptance_length:.2f} tokens per verify step" if t.acceptance_length else "acceptance length: -",

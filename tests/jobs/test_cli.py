@@ -124,6 +124,28 @@ def test_generate_then_status(tmp_path, job_model, capsys):
     assert "acceptance length:" in status and "tokens/s" in status
 
 
+def test_prompts_and_completions_are_counted_apart(tmp_path, job_model, capsys):
+    """--n 3 over 4 prompts: 12 completions of 4 prompts, never 12/4; a merge
+    of two halves counts both and names both datasets."""
+    halves = [write_jsonl(tmp_path / f"{h}.jsonl", rows) for h, rows in (("a", prompt_rows(4)[:2]),
+                                                                          ("b", prompt_rows(4)[2:]))]
+    for half in halves:
+        code = main(["generate", "--dataset", str(half), "--model", str(job_model), "--output",
+                     str(tmp_path / half.stem), "--max-tokens", "4", "--n", "3", "--temperature", "0.8"])
+        err = capsys.readouterr().err
+        assert code == 0 and "done: 6/6 completions of 2 prompts committed" in err, err
+        assert "completions 6/6 (100.0%) of 2 prompts" in err  # the progress line
+    assert main(["status", str(tmp_path / "a")]) == 0
+    assert "rows:      6/6 completions done (100.0%) of 2 prompts" in capsys.readouterr().out
+    merged = tmp_path / "merged"
+    assert main(["merge", str(tmp_path / "a"), str(tmp_path / "b"), "--output", str(merged)]) == 0
+    capsys.readouterr()
+    assert main(["status", str(merged)]) == 0
+    status = capsys.readouterr().out
+    assert "rows:      12/12 completions done (100.0%) of 4 prompts" in status
+    assert f"dataset:   {halves[0]}, {halves[1]}" in status
+
+
 def test_status_speed_counts_ranks_working_together_once():
     from jobs.ledger import LedgerEntry, Totals
 

@@ -17,7 +17,8 @@ from jobs.config import ConfigError
 from jobs.output import FingerprintMismatch, OutputFolder
 from jobs.prompts import completion_seed
 from jobs.readers import PromptSource
-from jobs.runner import build_manifest, run_job
+from jobs.runner import build_manifest, run_job, scan_dataset
+from jobs.status import print_status
 from tests.jobs.conftest import PROMPT_TEXTS, job_config, write_jsonl
 
 
@@ -121,7 +122,7 @@ def _schema1_folder(tmp_path, job_model, job_engine, dataset):
     dataset_info of output schema 1 (no sample, n, seed or chat columns)."""
     config = job_config(dataset, job_model, tmp_path / "old")
     source = PromptSource(str(dataset))
-    manifest = build_manifest(config.resolved(), job_engine, source, len(source), 1, schema_version=1)
+    manifest = build_manifest(config.resolved(), job_engine, source, scan_dataset(source, config.resolved()), 1, schema_version=1)
     folder = OutputFolder(tmp_path / "old")
     folder.open(manifest, overwrite=False)
     result = job_engine.generate(PROMPT_TEXTS[0], max_tokens=16, mode="chain", draft_tokens=3)
@@ -154,7 +155,7 @@ def test_a_folder_of_schema_2_resumes_sampled_jobs_without_the_depths_column(tmp
     config = job_config(dataset, job_model, tmp_path / "v2", temperature=0.7, mode="auto")
     source = PromptSource(str(dataset))
     folder = OutputFolder(tmp_path / "v2")
-    folder.open(build_manifest(config.resolved(), job_engine, source, len(source), 1, schema_version=2),
+    folder.open(build_manifest(config.resolved(), job_engine, source, scan_dataset(source, config.resolved()), 1, schema_version=2),
                 overwrite=False)
     folder.close()
     run_job(config, engine=job_engine)
@@ -200,6 +201,10 @@ def test_openai_batch_file_in_and_out(tmp_path, job_model, job_engine):
     assert got[("text-1", 0)]["completion"] == job_engine.generate(PROMPT_TEXTS[1], max_tokens=6, stop="\n\n").text
     assert got[("bad-method", 0)]["error"] == "invalid_request: method must be 'POST', got 'GET'"
     assert got[("image", 0)]["error"].startswith("invalid_request: message 0 has a 'image_url' content part")
+
+    status = io.StringIO()
+    print_status(out, stream=status)  # one line asks for n = 2: completions and prompts counted apart
+    assert "rows:      6/6 completions done (100.0%) of 5 prompts" in status.getvalue()
 
     export = tmp_path / "results.jsonl"
     assert cli_main(["export", str(out), "--format", "openai-batch", "--output", str(export)]) == 0
