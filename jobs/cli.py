@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g.add_argument("--allow-dataset-change", action="store_true", default=None,
                    help="resume a folder written from another dataset, adding this dataset's rows to it")
+    g.add_argument("--quiet", action="store_true", default=None,
+                   help="print only notes, warnings and the result (no job line, fast paths or progress)")
+    g.add_argument("--verbose", action="store_true", default=None,
+                   help="print each engine fast path's state on its own line")
 
     s = sub.add_parser("status", help="summarise a job's output folder and check that it is intact")
     s.add_argument("output", help="output folder of a job")

@@ -79,6 +79,9 @@ class JobConfig:
             (`mtp_engine.decoder.Decoder.warm_up`), so no row pays a
             kernel's first use; None: on a GPU, where that costs, not on the
             CPU, where it does not (speed only).
+        quiet: Print only notes, warnings and the result (no job line,
+            fast paths or progress).
+        verbose: Print each fast path's state on its own line.
     """
 
     dataset: str
@@ -111,6 +114,8 @@ class JobConfig:
     sampler: str = SamplingParams.sampler
     fast_paths: tuple[tuple[str, object], ...] = ()
     warm_up: bool | None = None
+    quiet: bool = False
+    verbose: bool = False
 
     def __post_init__(self):
         for f in fields(self):  # a config file's "false" is not a boolean, 5 is not a list of stop strings
@@ -130,6 +135,8 @@ class JobConfig:
                          tau=self.tau, paths=self.paths, tree_pos2=self.tree_pos2, drafter=self.drafter)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.quiet and self.verbose:
+            raise ConfigError("quiet and verbose exclude each other; choose one")
         _positive_int("max_tokens", self.max_tokens)
         if self.batch_size is not None:
             _positive_int("batch_size", self.batch_size, 1024)

@@ -18,11 +18,12 @@ class Progress:
         stream: Where to write (default stderr).
         interval: Seconds between log lines when not on a terminal.
         prefix: Put before every line (the rank under mlx.launch).
+        quiet: Show no progress and no `info` lines (`log` still prints).
     """
 
     def __init__(
         self, total: int | None, done: int = 0, stream=None, interval: float = 10.0, prefix: str = "",
-        prompts: int | None = None,
+        prompts: int | None = None, quiet: bool = False,
     ):
         self.stream = stream or sys.stderr
         self.prefix = prefix
@@ -38,7 +39,8 @@ class Progress:
         self._last_log = 0.0
         self._rows_this_run = 0
         self._bar = None
-        if self.stream.isatty() and not prefix:
+        self.quiet = quiet
+        if self.stream.isatty() and not prefix and not quiet:
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, initial=done, unit="completion" if prompts else "row", file=self.stream,
@@ -54,6 +56,8 @@ class Progress:
         if self._bar is not None:
             self._bar.set_postfix_str(self._postfix(), refresh=False)
             self._bar.update(1)
+            return
+        if self.quiet:
             return
         now = time.perf_counter()
         if now - self._last_log >= self.interval or (self.total and self.done >= self.total):
@@ -80,6 +84,11 @@ class Progress:
         what = f"completions {self.done}{total}{pct} of {self.prompts} prompts" if self.prompts else \
             f"rows {self.done}{total}{pct}"
         return f"{what} | {self._postfix()}{eta} | elapsed {_clock(elapsed)}"
+
+    def info(self, message: str) -> None:
+        """A line that ``quiet`` leaves out (what the job is, how it goes)."""
+        if not self.quiet:
+            self.log(message)
 
     def log(self, message: str) -> None:
         message = self.prefix + message

@@ -309,17 +309,20 @@ def _run(config, engine, source, scan, out, ranks, stream, log, version) -> JobS
         done=len(out.done) if world == 1 else 0,
         stream=stream,
         prefix=f"[rank {rank}/{world}] " if world > 1 else "",
+        quiet=config.quiet,
     )
-    progress.log(
+    progress.info(
         f"job: {config.dataset} -> {config.output} | model {Path(config.model).name} | "
         f"{_describe_decoding(config)} | {_describe_sampling(config)} | "
         f"{len(out.done)} rows already done"
     )
     if source.empty_reason is not None:
         progress.log(f"note: {source.empty_reason}; nothing to generate")
-    if rank == 0:
+    if rank == 0 and config.verbose:
         for status in engine.fast_paths:
-            progress.log(status.line())
+            progress.info(status.line())
+    elif rank == 0:
+        progress.info(fast_path_summary(engine.fast_paths))
 
     def finish(row: dict, steps: int = 0, accepted: int = 0) -> None:
         buffer.add(row)
@@ -334,7 +337,7 @@ def _run(config, engine, source, scan, out, ranks, stream, log, version) -> JobS
     with StopRequest() as stop:
         stuck: list[TemplateStuck] = []
         work = _work(source, config, preparer, out.done, rank, world, stop, stuck)
-        _decode(engine, config, work, finish, stop, log=progress.log, warmed=buffer.warmed)
+        _decode(engine, config, work, finish, stop, log=progress.log, info=progress.info, warmed=buffer.warmed)
         buffer.flush()
         if stuck:  # the rows admitted before it were finished and committed
             progress.close()
@@ -493,7 +496,7 @@ def _alone(engine, config, item: Work, finish, attempts: int = 2) -> None:
         _finish_result(finish, req, sample, None, failure)
 
 
-def _decode(engine, config, work, finish, stop, log=None, warmed=lambda seconds: None) -> None:
+def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lambda seconds: None) -> None:
     """Rows decoded ``batch_size`` at once (`mtp_engine.decoder`): as one
     finishes, the next joins; a prompt's completions share its prefill. If
     a whole batch fails, its rows are redone in batches of their own, and
@@ -504,8 +507,8 @@ def _decode(engine, config, work, finish, stop, log=None, warmed=lambda seconds:
         sampling = config.sampling()
         seconds, shapes = decoder.warm_up(sampling if sampling.greedy else replace(sampling, seed=0))
         warmed(seconds)
-        if log is not None:
-            log(f"warm-up: {shapes} step shapes (rows {', '.join(map(str, decoder.buckets))}) in {seconds:.1f} s")
+        if info is not None:
+            info(f"warm-up: {shapes} step shapes (rows {', '.join(map(str, decoder.buckets))}) in {seconds:.1f} s")
     in_flight: dict[str, list] = {}  # id -> [Work, sample indices still running]
     failures = 0
 
@@ -555,10 +558,20 @@ def _decode(engine, config, work, finish, stop, log=None, warmed=lambda seconds:
             drain_one_step()
         if stop.requested:
             decoder.drop_all()  # rows in flight are redone on resume
-        if decoder.controller is not None and log is not None:
-            log(decoder.controller.describe())
+        if decoder.controller is not None and info is not None:
+            info(decoder.controller.describe())
     finally:
         decoder.close()
+
+
+def fast_path_summary(statuses) -> str:
+    """The engine's fast paths in one line (``--verbose``: one line each)."""
+    by_state: dict[str, list[str]] = {}
+    for status in statuses:
+        by_state.setdefault(status.state, []).append(status.name)
+    parts = [f"{len(by_state[s])} {s} ({', '.join(by_state[s])})" if s == "on" else f"{len(by_state[s])} {s}"
+             for s in ("on", "off", "unavailable") if s in by_state]
+    return f"fast paths: {'; '.join(parts)} (--verbose for each)"
 
 
 def resume_hint() -> str:

@@ -146,6 +146,24 @@ def test_prompts_and_completions_are_counted_apart(tmp_path, job_model, capsys):
     assert f"dataset:   {halves[0]}, {halves[1]}" in status
 
 
+def test_start_up_says_fast_paths_in_one_line_and_quiet_says_only_the_result(tmp_path, job_model, capsys):
+    dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(3))
+    base = ["generate", "--dataset", str(dataset), "--model", str(job_model), "--max-tokens", "4"]
+    assert main(base + ["--output", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    fast = [line for line in err if line.startswith("fast path")]
+    assert len(fast) == 1 and fast[0].startswith("fast paths: ") and "(--verbose for each)" in fast[0]
+    assert main(base + ["--output", str(tmp_path / "b"), "--verbose"]) == 0
+    assert sum(line.startswith("fast path ") for line in capsys.readouterr().err.splitlines()) >= 10
+    assert main(base + ["--output", str(tmp_path / "a"), "--quiet", "--max-tokens", "5", "--overwrite"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split(":")[0] for line in err] == ["done", "output"], err
+    assert main(base + ["--output", str(tmp_path / "a"), "--max-tokens", "5", "--verbose"]) == 0  # resumes: speed only
+    assert "done: 3/3 rows committed (0 this run" in capsys.readouterr().err
+    assert main(base + ["--output", str(tmp_path / "c"), "--quiet", "--verbose"]) == 2
+    assert "quiet and verbose exclude each other" in capsys.readouterr().err
+
+
 def test_status_speed_counts_ranks_working_together_once():
     from jobs.ledger import LedgerEntry, Totals
 
