@@ -34,10 +34,14 @@ from jobs.config import (
 )
 from jobs.lock import FolderInUse
 from jobs.output import (
+    MANIFEST,
     OutputError,
     OutputFolder,
+    checked_entries,
     folder_schema_version,
+    ledgers,
     read_all_ledgers,
+    read_manifest,
     writer_name,
 )
 from jobs.progress import Progress
@@ -45,6 +49,7 @@ from jobs.prompts import Preparer, Request, RowError, TemplateStuck, raw_id
 from jobs.readers import PromptSource
 from mtp_engine import MTPEngine
 from mtp_engine.decoder import Decoder
+from mtp_engine.model.loader import load_checkpoint_tokenizer
 from schemas.arrow import SCHEMA_VERSION, completion_row, error_row
 
 
@@ -176,10 +181,11 @@ class _Buffer:
         self.last_commit = now
 
 
-def build_manifest(config: JobConfig, engine: MTPEngine, source: PromptSource, scan: "DatasetScan", world: int,
+def build_manifest(config: JobConfig, tokenizer, source: PromptSource, scan: "DatasetScan", world: int,
                    schema_version: int = SCHEMA_VERSION) -> dict:
+    """The job's manifest; ``tokenizer`` (the model's) gives its chat template."""
     model_id = model_identity(config.model)
-    template = getattr(engine.tokenizer, "chat_template", None)
+    template = getattr(tokenizer, "chat_template", None)
     parts = fingerprint_parts(config, model_id, template, schema_version)
     return {
         "schema_version": schema_version,
@@ -217,15 +223,19 @@ def run_job(
     """
     stream = stream or sys.stderr
     rank, world = ranks.rank, ranks.world
-    engine = engine or MTPEngine.load(config.model, options=config.engine_options())
     config = config.resolved()
     source = PromptSource(config.dataset)
     scan = scan_dataset(source, config)
+    if engine is None:
+        finished = _finished_already(config, source, scan, ranks)
+        if finished is not None:
+            return finished
+        engine = MTPEngine.load(config.model, options=config.engine_options())
     prefix = f"[rank {rank}/{world}] " if world > 1 else ""
     log = lambda m: print(prefix + m, file=stream, flush=True)  # noqa: E731
     out = OutputFolder(Path(config.output), writer_name(rank), log=log)
     version = _schema_version(config)
-    manifest = build_manifest(config, engine, source, scan, world, version)
+    manifest = build_manifest(config, engine.tokenizer, source, scan, world, version)
     try:
         _open_folder(out, config, manifest, ranks)
         return _run(config, engine, source, scan, out, ranks, stream, log, version)
@@ -233,6 +243,41 @@ def run_job(
         raise OutputError(_os_error_message(e, out)) from None
     finally:
         out.close()
+
+
+def _finished_already(config: JobConfig, source: PromptSource, scan: "DatasetScan", ranks: Ranks) -> JobSummary | None:
+    """The summary of a job whose folder already holds every completion it
+    asks for, found without loading the model's weights (its tokenizer
+    gives the chat template of the fingerprint); None when anything is left
+    to do, damaged, in doubt or another job's: the run then goes the usual way."""
+    folder = Path(config.output)
+    if ranks.world > 1 or config.overwrite or not (folder / MANIFEST).is_file():
+        return None
+    try:
+        old = read_manifest(folder)
+        if any(problem is not None for _, _, problem in checked_entries(folder, checksum=False)) or \
+                any(ledger.read().tail for ledger in ledgers(folder)):
+            return None
+        entries = read_all_ledgers(folder)
+        tokenizer = load_checkpoint_tokenizer(config.model)
+        manifest = build_manifest(config, tokenizer, source, scan, 1, _schema_version(config))
+    except (OutputError, OSError, ValueError, ConfigError):
+        return None
+    if old.get("fingerprint") != manifest["fingerprint"] or \
+            (old.get("dataset") or {}).get("identity") != manifest["dataset"]["identity"]:
+        return None
+    done = {key for e in entries for key in e.keys()}
+    preparer = Preparer(config, tokenizer, 0, reserved_ids=scan.ids)
+    for row in source:
+        if config.limit is not None and row.index >= config.limit:
+            break
+        rid, _ = preparer.claim_id(row)
+        if not all((rid, j) in done for j in range(_row_n_hint(row, config))):
+            return None
+    print(f"nothing left to do: every row of {config.dataset} is committed in {folder} (the model was not loaded)",
+          file=sys.stderr, flush=True)
+    return JobSummary(output=folder, total=scan.prompts, done=len(done), completions=scan.completions, committed=0,
+                      errors=0, tokens=0)
 
 
 def _open_folder(out: OutputFolder, config: JobConfig, manifest: dict, ranks: Ranks) -> None:

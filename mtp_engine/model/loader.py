@@ -159,6 +159,24 @@ def load_mtp_head(folder: Path, config: dict) -> MTPHead:
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
+def _check_tokenizer_files(folder: Path, path) -> None:
+    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model", "tiktoken.model")):
+        raise CheckpointError(f"{str(path)!r} has no tokenizer (tokenizer.json or tokenizer.model)")
+
+
+def load_checkpoint_tokenizer(path: str | Path) -> TokenizerWrapper:
+    """The checkpoint's tokenizer alone, as `load_checkpoint` loads it (no
+    weights are read): for what needs only the text, such as a job's
+    fingerprint.
+
+    Raises:
+        FileNotFoundError, CheckpointError.
+    """
+    folder, config = read_config(path)
+    _check_tokenizer_files(folder, path)
+    return load_tokenizer(folder, eos_token_ids=text_config(config).get("eos_token_id"))
+
+
 def load_checkpoint(path: str | Path, dtype: str | None = None, options: EngineOptions | None = None) -> LoadedCheckpoint:
     """Load trunk, MTP head and tokenizer, and install the engine's layers.
 
@@ -183,8 +201,7 @@ def load_checkpoint(path: str | Path, dtype: str | None = None, options: EngineO
         raise ValueError(f"dtype {dtype!r} cannot run on MLX's CPU backend (its MoE matmuls are "
                          "float32-only); use 'float32' or leave dtype unset")
     folder, config = read_config(path)
-    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer.model", "tiktoken.model")):
-        raise CheckpointError(f"{str(path)!r} has no tokenizer (tokenizer.json or tokenizer.model)")
+    _check_tokenizer_files(folder, path)
     # The head first: a folder without one fails before the trunk is read.
     try:
         head = load_mtp_head(folder, config)

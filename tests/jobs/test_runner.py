@@ -320,13 +320,32 @@ def test_auto_mode_writes_plain_decodings_rows_and_the_depths_it_chose(tmp_path,
     assert JobConfig(dataset="d", model="m", output="o", batch_size=8).resolved().batch_size == 8
 
 
-def test_a_job_logs_one_line_per_fast_path(tmp_path, job_model, job_engine):
+def test_a_verbose_job_logs_one_line_per_fast_path(tmp_path, job_model, job_engine):
     log = io.StringIO()
     run_job(job_config(write_jsonl(tmp_path / "in.jsonl", prompt_rows(1)), job_model, tmp_path / "out",
-                       max_tokens=4), engine=job_engine, stream=log)
+                       max_tokens=4, verbose=True), engine=job_engine, stream=log)
     lines = [line for line in log.getvalue().splitlines() if line.startswith("fast path ")]
     names = [line.split()[2].rstrip(":") for line in lines]
     assert set(names) == {s.name for s in job_engine.fast_paths} and len(names) == len(set(names)) == len(job_engine.fast_paths) == 17
+
+
+def test_a_finished_job_answers_without_loading_the_model(tmp_path, job_model, job_engine, capsys, monkeypatch):
+    """Run again once every row is committed, the command reads the folder
+    and the tokenizer only; anything left to do, or a changed setting, loads
+    the model as usual."""
+    dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(3))
+    out = tmp_path / "out"
+    run_job(job_config(dataset, job_model, out, max_tokens=4), engine=job_engine, stream=io.StringIO())
+    loads = []
+    real_load = MTPEngine.load
+    monkeypatch.setattr(MTPEngine, "load", staticmethod(lambda *a, **kw: loads.append(a) or real_load(*a, **kw)))
+    summary = run_job(job_config(dataset, job_model, out, max_tokens=4), stream=io.StringIO())
+    assert loads == [] and summary.done == 3 and summary.committed == 0
+    assert "nothing left to do" in capsys.readouterr().err
+    write_jsonl(tmp_path / "in.jsonl", prompt_rows(4))  # one more row (and another dataset identity)
+    summary = run_job(job_config(dataset, job_model, out, max_tokens=4, allow_dataset_change=True),
+                      stream=io.StringIO())
+    assert len(loads) == 1 and summary.committed == 1 and summary.done == 4
 
 
 def test_batched_speculation_writes_the_rows_one_at_a_time_writes(tmp_path, job_model, job_engine):

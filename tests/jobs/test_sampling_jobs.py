@@ -122,7 +122,7 @@ def _schema1_folder(tmp_path, job_model, job_engine, dataset):
     dataset_info of output schema 1 (no sample, n, seed or chat columns)."""
     config = job_config(dataset, job_model, tmp_path / "old")
     source = PromptSource(str(dataset))
-    manifest = build_manifest(config.resolved(), job_engine, source, scan_dataset(source, config.resolved()), 1, schema_version=1)
+    manifest = build_manifest(config.resolved(), job_engine.tokenizer, source, scan_dataset(source, config.resolved()), 1, schema_version=1)
     folder = OutputFolder(tmp_path / "old")
     folder.open(manifest, overwrite=False)
     result = job_engine.generate(PROMPT_TEXTS[0], max_tokens=16, mode="chain", draft_tokens=3)
@@ -155,7 +155,7 @@ def test_a_folder_of_schema_2_resumes_sampled_jobs_without_the_depths_column(tmp
     config = job_config(dataset, job_model, tmp_path / "v2", temperature=0.7, mode="auto")
     source = PromptSource(str(dataset))
     folder = OutputFolder(tmp_path / "v2")
-    folder.open(build_manifest(config.resolved(), job_engine, source, scan_dataset(source, config.resolved()), 1, schema_version=2),
+    folder.open(build_manifest(config.resolved(), job_engine.tokenizer, source, scan_dataset(source, config.resolved()), 1, schema_version=2),
                 overwrite=False)
     folder.close()
     run_job(config, engine=job_engine)
