@@ -87,11 +87,15 @@ class Request:
     n: int = 1
     chat: bool = False
 
+    def seed(self, sample: int) -> int:
+        """Completion ``sample``'s derived seed (`completion_seed`)."""
+        return completion_seed(self.sampling.seed, self.id, sample)
+
     def sample_params(self, sample: int) -> SamplingParams:
         """Sampling of completion ``sample`` (its own derived seed)."""
         if self.sampling.greedy:
             return self.sampling
-        return replace(self.sampling, seed=completion_seed(self.sampling.seed, self.id, sample))
+        return replace(self.sampling, seed=self.seed(sample))
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from jobs.output import (
     writer_name,
 )
 from jobs.progress import Progress
-from jobs.prompts import Preparer, Request, RowError, TemplateStuck, raw_id
+from jobs.prompts import Preparer, Request, RowError, TemplateStuck, completion_seed, raw_id
 from jobs.readers import PromptSource
 from mtp_engine import MTPEngine
 from mtp_engine.decoder import Decoder
@@ -486,20 +486,21 @@ def _work(source, config, preparer, done, rank, world, stop, stuck: list) -> Ite
             yield Work(item, samples)
 
 
-def _error_to_row(e: RowError) -> dict:
+def _error_to_row(e: RowError, job_seed: int) -> dict:
+    """An input's error row; its seed is the one sample 0 would have had
+    (every row carries a seed, so readers keep the column as integers)."""
     return error_row(id=e.id, index=e.index, line=e.line, kind=e.kind, message=e.message, prompt=e.prompt,
-                     chat=e.chat)
+                     chat=e.chat, seed=completion_seed(job_seed, e.id, 0))
 
 
 def _request_result(req: Request, sample: int, result, failure: str | None) -> dict:
     if failure is not None:
-        params = req.sample_params(sample)
         return error_row(
             id=req.id, index=req.index, line=req.line, kind="generation_failed", message=failure, prompt=req.prompt,
-            sample=sample, n=req.n, seed=None if params.greedy else params.seed, chat=req.chat,
+            sample=sample, n=req.n, seed=req.seed(sample), chat=req.chat,
         )
     return completion_row(id=req.id, index=req.index, line=req.line, prompt=req.prompt, result=result,
-                          sample=sample, n=req.n, chat=req.chat)
+                          sample=sample, n=req.n, chat=req.chat, seed=req.seed(sample))
 
 
 def _finish_result(finish, req: Request, sample: int, result, failure: str | None) -> None:
@@ -584,7 +585,7 @@ def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lamb
     try:
         for item in work:
             if isinstance(item, RowError):
-                finish(_error_to_row(item))
+                finish(_error_to_row(item, config.seed))
                 continue
             while decoder.pending and decoder.pending + len(item.samples) > config.batch_size:
                 drain_one_step()

@@ -8,7 +8,8 @@ number of drafts the controller chose, `GenerationStats.depths`). Version 2 adds
 ``sample`` (0..n-1, the completion's index among its prompt's), ``n``
 (how many completions the prompt gets; 1 for a row that cannot be
 generated, whose single error row is sample 0), ``seed``
-(null for greedy rows) and ``chat`` (whether the prompt was rendered from
+(the completion's derived seed; greedy rows carry the one sampling would
+use, so the column has no nulls and readers keep it as integers) and ``chat`` (whether the prompt was rendered from
 chat messages); folders written with an older version keep it when they resume
 (`completion_schema`).
 """
@@ -70,9 +71,10 @@ COMPLETION_SCHEMA = completion_schema()
 
 def completion_row(
     *, id: str, index: int, line: int | None, prompt: str, result: GenerationResult, sample: int = 0,
-    n: int = 1, chat: bool | None = None,
+    n: int = 1, chat: bool | None = None, seed: int | None = None,
 ) -> dict:
-    """An output row for a finished generation."""
+    """An output row for a finished generation (``seed``: the completion's
+    derived seed, default the one it sampled with)."""
     s = result.stats
     acceptance = {
         "mode": s.mode,
@@ -93,7 +95,7 @@ def completion_row(
         "id": id,
         "sample": sample,
         "n": n,
-        "seed": s.seed,
+        "seed": s.seed if seed is None else seed,
         "index": index,
         "line": line,
         "prompt": prompt,

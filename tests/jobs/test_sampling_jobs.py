@@ -68,7 +68,10 @@ def test_per_row_sampling_overrides_are_validated(tmp_path, job_model, job_engin
     assert got[("hot", 1)]["completion"] == hot.text
     seeded = job_engine.generate(PROMPT_TEXTS[1], max_tokens=16, temperature=0.7, seed=completion_seed(7, "seeded", 0))
     assert got[("seeded", 0)]["completion"] == seeded.text
-    assert got[("greedy", 0)]["seed"] is None
+    assert got[("greedy", 0)]["seed"] == completion_seed(0, "greedy", 0)  # carried though greedy decoding ignores it
+    assert got[("bad-n", 0)]["seed"] == completion_seed(0, "bad-n", 0)
+    frame = datasets.load_from_disk(str(out)).to_pandas()
+    assert str(frame["seed"].dtype) == "int64" and set(frame["seed"]) == {r["seed"] for r in got.values()}
     assert got[("greedy", 0)]["completion"] == job_engine.generate(PROMPT_TEXTS[2], max_tokens=16).text
     errors = {k[0]: r["error"] for k, r in got.items() if r["finish_reason"] == "error"}
     assert errors == {
