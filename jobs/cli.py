@@ -107,12 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("inputs", nargs="+", help="output folders to merge")
     m.add_argument("--output", required=True, help="folder for the merged result (new or empty)")
 
-    e = sub.add_parser("export", help="write a job's completions in another format",
-                       description="Write a job folder's committed completions as an OpenAI batch output file "
-                       "(one line per prompt whose completions are all committed).")
+    e = sub.add_parser("export", help="write a job's completions as one Parquet, JSON lines or OpenAI batch file",
+                       description="Write a job folder's committed rows, in input order, as one file: Parquet "
+                       "(pandas, polars, duckdb and pyarrow.dataset open it), JSON lines, or an OpenAI batch "
+                       "output file (one line per prompt whose completions are all committed).")
     e.add_argument("output_dir", metavar="DIR", help="output folder of a job")
-    e.add_argument("--format", default="openai-batch", choices=["openai-batch"], help="file format")
-    e.add_argument("--output", required=True, help="file to write (.jsonl)")
+    e.add_argument("--format", required=True, choices=["parquet", "jsonl", "openai-batch"], help="file format")
+    e.add_argument("--output", required=True, help="file to write (.parquet or .jsonl)")
 
     a = sub.add_parser("audit", help="check a job's rows against plain decoding (the lossless contract)",
                        description="Decode a sample of a job folder's rows again with plain decoding and report "
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return merge_outputs([Path(p) for p in args.inputs], Path(args.output))
     if args.command == "export":
-        from jobs.openai_batch import export_folder
+        from jobs.export import export_folder
 
         return export_folder(Path(args.output_dir), Path(args.output), args.format)
     if args.command == "audit":

@@ -12,21 +12,13 @@ Body fields a line leaves out take the job's settings (not OpenAI's
 defaults: ``--temperature`` decides).
 
 Out: ``python -m jobs export DIR --format openai-batch --output FILE``
-writes one line per prompt whose completions are all committed, in the
-Batch API's output format (`export`).
+(`jobs.export`) writes one line per prompt whose completions are all
+committed, in the Batch API's output format (`batch_lines`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import sys
-from pathlib import Path
-
-import orjson
-import pyarrow as pa
-
-from jobs.output import OutputError, check_shard, read_all_ledgers, read_manifest
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "n", "stop")
@@ -118,31 +110,14 @@ def _text_message(i: int, m) -> dict:
 # -- export -------------------------------------------------------------------
 
 
-def _committed_rows(folder: Path) -> tuple[dict, list[dict]]:
-    """The manifest and every committed row of an intact job folder."""
-    manifest = read_manifest(folder)
-    rows = []
-    for entry in read_all_ledgers(folder):
-        problem = check_shard(folder, entry, checksum=True)
-        if problem is not None:
-            raise OutputError(f"shard {entry.shard} is damaged ({problem}); resume the job once (it redoes "
-                              "those rows), then export again")
-        rows += pa.ipc.open_stream(str(folder / entry.shard)).read_all().to_pylist()
-    return manifest, rows
-
-
-def export(folder: Path, output: Path) -> tuple[int, int]:
-    """Write a job folder's completions as an OpenAI batch output file.
+def batch_lines(manifest: dict, rows: list[dict]) -> tuple[list[dict], int]:
+    """A job's committed rows as OpenAI batch output lines.
 
     One line per prompt id, its completions as ``choices`` (``index`` is the
-    sample), written only when all of them are committed; a prompt with an
-    error row is written as an error line. Returns (lines written, prompts
+    sample), in input order, made only when all of them are committed; a
+    prompt with an error row is an error line. Returns (the lines, prompts
     left out because some completions are not committed yet).
     """
-    if folder.resolve() in output.resolve().parents:
-        raise OutputError(f"--output {output} is inside the job folder {folder}, whose files only the job "
-                          "writes; choose a path outside it")
-    manifest, rows = _committed_rows(folder)
     model = manifest.get("model", {}).get("name", "")
     n_job = manifest.get("config", {}).get("n", 1)
     by_id: dict[str, list[dict]] = {}
@@ -161,18 +136,7 @@ def export(folder: Path, output: Path) -> tuple[int, int]:
             incomplete += 1
             continue
         lines.append(_response_line(rid, group, model))
-    tmp = output.with_name(f".tmp-{output.name}")
-    try:
-        with open(tmp, "wb") as f:
-            for line in lines:
-                f.write(orjson.dumps(line) + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, output)
-    except BaseException:  # a full disk, say: the output keeps its old content and no half file stays
-        tmp.unlink(missing_ok=True)
-        raise
-    return len(lines), incomplete
+    return lines, incomplete
 
 
 def _request_id(rid: str) -> str:
@@ -202,18 +166,3 @@ def _response_line(rid: str, group: list[dict], model: str) -> dict:
     }
     return {"id": _request_id(rid), "custom_id": rid,
             "response": {"status_code": 200, "request_id": _request_id(rid), "body": body}, "error": None}
-
-
-def export_folder(folder: Path, output: Path, fmt: str) -> int:
-    """CLI wrapper: prints the result; returns an exit status."""
-    if fmt != "openai-batch":
-        print(f"error: unknown export format {fmt!r}; supported: openai-batch", file=sys.stderr)
-        return 2
-    try:
-        written, incomplete = export(folder, output)
-    except (OutputError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    note = f"; {incomplete} prompts left out until all their completions are committed" if incomplete else ""
-    print(f"exported {written} requests -> {output}{note}", file=sys.stderr)
-    return 0

@@ -402,13 +402,13 @@ def test_a_killed_export_leaves_the_previous_file_and_the_folder_untouched(
         tmp_path, dataset, job_model, job_engine):
     out, target = tmp_path / "out", tmp_path / "results.jsonl"
     run(dataset, job_model, job_engine, out, limit=4)
-    assert main(["export", str(out), "--output", str(target)]) == 0
+    assert main(["export", str(out), "--format", "jsonl", "--output", str(target)]) == 0
     previous = target.read_bytes()
     run(dataset, job_model, job_engine, out)
     folder = _files(out)
-    _kill_at("replace_before:1", "export", str(out), "--output", str(target))
+    _kill_at("replace_before:1", "export", str(out), "--format", "jsonl", "--output", str(target))
     assert target.read_bytes() == previous and _files(out) == folder
-    assert main(["export", str(out), "--output", str(target)]) == 0
+    assert main(["export", str(out), "--format", "jsonl", "--output", str(target)]) == 0
     assert len(target.read_bytes().splitlines()) == len(ROWS)
     assert sorted(p.name for p in tmp_path.iterdir() if "results" in p.name) == ["results.jsonl"]
 
@@ -417,19 +417,19 @@ def test_a_full_disk_during_export_merge_or_repair_is_one_error_line_and_changes
         tmp_path, dataset, job_model, job_engine, reference, monkeypatch, capsys):
     out, target = tmp_path / "out", tmp_path / "results.jsonl"
     run(dataset, job_model, job_engine, out, limit=4)
-    assert main(["export", str(out), "--output", str(target)]) == 0
+    assert main(["export", str(out), "--format", "jsonl", "--output", str(target)]) == 0
     previous = target.read_bytes()
     run(dataset, job_model, job_engine, out)
     a, b = _two_halves(tmp_path, dataset, job_model, job_engine)
     before = _files(out, a, b)
     capsys.readouterr()
 
-    import jobs.openai_batch
+    import jobs.export
     full = {"writes": 0, "fail_at": {1}}
-    monkeypatch.setattr(jobs.openai_batch, "open",
+    monkeypatch.setattr(jobs.export, "open",
                         lambda p, mode="r", *args, **kw: FaultyFile(builtins.open(p, mode, *args, **kw), full),
                         raising=False)
-    assert main(["export", str(out), "--output", str(target)]) == 1
+    assert main(["export", str(out), "--format", "jsonl", "--output", str(target)]) == 1
     monkeypatch.undo()
 
     copies = []
@@ -649,7 +649,7 @@ def test_a_manifest_that_is_json_but_not_an_object_is_one_error_line(tmp_path, d
     out = tmp_path / "out"
     run(dataset, job_model, job_engine, out, limit=2)
     (out / "manifest.json").write_text(text)
-    for argv in (["status", str(out)], ["export", str(out), "--output", str(tmp_path / "x.jsonl")]):
+    for argv in (["status", str(out)], ["export", str(out), "--format", "jsonl", "--output", str(tmp_path / "x.jsonl")]):
         assert main(argv) == 1
         err = capsys.readouterr().err
         assert err.startswith("error: ") and "not an object" in err and err.count("\n") == 1

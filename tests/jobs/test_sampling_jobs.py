@@ -226,6 +226,36 @@ def test_openai_batch_file_in_and_out(tmp_path, job_model, job_engine):
     assert lines["bad-method"]["error"] == {"code": "invalid_request", "message": "method must be 'POST', got 'GET'"}
 
 
+def test_export_writes_parquet_and_jsonl_in_input_order_that_common_readers_open(tmp_path, job_model, job_engine,
+                                                                                capsys):
+    rows = [{"id": f"p{i}", "prompt": PROMPT_TEXTS[i % len(PROMPT_TEXTS)], "n": 1 + i % 2} for i in range(6)]
+    out = tmp_path / "out"
+    run_job(job_config(write_jsonl(tmp_path / "in.jsonl", rows), job_model, out, temperature=0.8, max_tokens=6,
+                       rows_per_shard=2), engine=job_engine)
+    stored = datasets.load_from_disk(str(out)).to_pandas()
+    order = [(r["id"], r["sample"]) for r in rows_by_key(out).values()]  # 9 completions of 6 prompts
+    expected = sorted(order, key=lambda k: (int(k[0][1:]), k[1]))
+    capsys.readouterr()
+    assert cli_main(["export", str(out), "--format", "parquet", "--output", str(tmp_path / "all.parquet")]) == 0
+    assert cli_main(["export", str(out), "--format", "jsonl", "--output", str(tmp_path / "all.jsonl")]) == 0
+    assert capsys.readouterr().err.splitlines() == [f"exported 9 rows -> {tmp_path / 'all.parquet'}",
+                                                    f"exported 9 rows -> {tmp_path / 'all.jsonl'}"]
+    import pandas as pd
+    import pyarrow.dataset
+
+    frame = pd.read_parquet(tmp_path / "all.parquet")
+    assert list(zip(frame["id"], frame["sample"])) == expected
+    assert str(frame["seed"].dtype) == "int64"
+    by_key = stored.set_index(["id", "sample"])
+    assert all(frame["completion"] == [by_key.loc[k, "completion"] for k in expected])
+    assert pyarrow.dataset.dataset(str(tmp_path / "all.parquet")).to_table().num_rows == 9
+    lines = [json.loads(line) for line in (tmp_path / "all.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["sample"]) for r in lines] == expected
+    assert lines[0]["acceptance"]["mode"] == frame["acceptance"][0]["mode"]
+    with pytest.raises(SystemExit, match="2"):  # argparse names the formats
+        cli_main(["export", str(out), "--format", "csv", "--output", str(tmp_path / "x.csv")])
+
+
 def test_export_refuses_to_write_inside_the_job_folder(tmp_path, job_model, job_engine, capsys):
     """An export over the folder's own ledger would cut it on the next
     resume (every row redone): any path inside the folder is refused and
