@@ -171,6 +171,7 @@ class _Buffer:
     def flush(self) -> None:
         if not self.rows:
             return
+        self.rows.sort(key=lambda r: (r["index"], r.get("sample") or 0))  # input order within the shard
         now = time.perf_counter()
         self.out.commit(self.rows, wall_s=now - self.last_commit, warmup_s=self.warmup_s)
         self.warmup_s = 0.0

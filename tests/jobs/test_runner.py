@@ -383,3 +383,13 @@ def test_a_warm_up_is_logged_and_reported_as_the_jobs_first_use_cost(tmp_path, j
     out = io.StringIO()
     print_status(tmp_path / "cpu", stream=out)
     assert "first use: no warm-up recorded" in out.getvalue()
+
+
+def test_rows_are_stored_in_input_order_within_each_commit(tmp_path, job_model, job_engine):
+    """Rows finish out of order (a short row leaves the batch first); each
+    shard stores its rows by input index, so one commit reads in order."""
+    rows = [dict(r, max_tokens=12 - i) for i, r in enumerate(prompt_rows(10))]
+    out = tmp_path / "out"
+    run_job(job_config(write_jsonl(tmp_path / "in.jsonl", rows), job_model, out, mode="baseline", batch_size=10,
+                       rows_per_shard=256), engine=job_engine)
+    assert datasets.load_from_disk(str(out))["index"] == list(range(10))
