@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g.add_argument("--allow-dataset-change", action="store_true", default=None,
                    help="resume a folder written from another dataset, adding this dataset's rows to it")
+    g.add_argument("--max-error-rate", type=float, help="exit 1 when more than this share of the run's rows are "
+                   "error rows (bad input, failed generations); they stay committed (default: 0.5)")
     g.add_argument("--quiet", action="store_true", default=None,
                    help="print only notes, warnings and the result (no job line, fast paths or progress)")
     g.add_argument("--verbose", action="store_true", default=None,
@@ -197,4 +199,9 @@ def _generate(args) -> int:
     if summary.interrupted:
         print(f"resume with: {resume_hint()}", file=sys.stderr)
         return EXIT_SIGTERM if summary.interrupted == "SIGTERM" else EXIT_SIGINT
+    if summary.committed and summary.errors > config.max_error_rate * summary.committed:
+        print(f"error: {summary.errors} of the {summary.committed} rows this run committed are error rows "
+              f"({100 * summary.errors / summary.committed:.1f}%, above --max-error-rate {config.max_error_rate:g}); "
+              "their `error` column says why", file=sys.stderr)
+        return EXIT_FAILED
     return EXIT_OK

@@ -82,6 +82,8 @@ class JobConfig:
         quiet: Print only notes, warnings and the result (no job line,
             fast paths or progress).
         verbose: Print each fast path's state on its own line.
+        max_error_rate: The share of a run's rows that may be error rows
+            before the command exits 1 (the rows stay committed).
     """
 
     dataset: str
@@ -116,6 +118,7 @@ class JobConfig:
     warm_up: bool | None = None
     quiet: bool = False
     verbose: bool = False
+    max_error_rate: float = 0.5
 
     def __post_init__(self):
         for f in fields(self):  # a config file's "false" is not a boolean, 5 is not a list of stop strings
@@ -135,6 +138,8 @@ class JobConfig:
                          tau=self.tau, paths=self.paths, tree_pos2=self.tree_pos2, drafter=self.drafter)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if not 0 <= self.max_error_rate <= 1:
+            raise ConfigError(f"max_error_rate must be in 0..1, got {self.max_error_rate!r}")
         if self.quiet and self.verbose:
             raise ConfigError("quiet and verbose exclude each other; choose one")
         _positive_int("max_tokens", self.max_tokens)

@@ -164,6 +164,19 @@ def test_start_up_says_fast_paths_in_one_line_and_quiet_says_only_the_result(tmp
     assert "quiet and verbose exclude each other" in capsys.readouterr().err
 
 
+def test_a_run_of_mostly_error_rows_exits_1_with_its_rows_committed(tmp_path, job_model, capsys):
+    rows = prompt_rows(2) + [{"id": f"empty-{i}", "prompt": ""} for i in range(3)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    base = ["generate", "--dataset", str(dataset), "--model", str(job_model), "--max-tokens", "4"]
+    assert main(base + ["--output", str(tmp_path / "a")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == ("error: 3 of the 5 rows this run committed are error rows (60.0%, above --max-error-rate "
+                       "0.5); their `error` column says why")
+    assert len(datasets.load_from_disk(str(tmp_path / "a"))) == 5
+    assert main(base + ["--output", str(tmp_path / "b"), "--max-error-rate", "0.6"]) == 0
+    assert main(base + ["--output", str(tmp_path / "c"), "--max-error-rate", "1.5"]) == 2
+
+
 def test_status_speed_counts_ranks_working_together_once():
     from jobs.ledger import LedgerEntry, Totals
 
