@@ -393,3 +393,18 @@ def test_rows_are_stored_in_input_order_within_each_commit(tmp_path, job_model, 
     run_job(job_config(write_jsonl(tmp_path / "in.jsonl", rows), job_model, out, mode="baseline", batch_size=10,
                        rows_per_shard=256), engine=job_engine)
     assert datasets.load_from_disk(str(out))["index"] == list(range(10))
+
+
+def test_jobs_run_takes_the_cli_settings_from_python(tmp_path, job_model, job_engine):
+    import jobs
+    from jobs.config import ConfigError
+
+    dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(3))
+    (tmp_path / "job.json").write_text(json.dumps({"max_tokens": 9, "mode": "chain"}))
+    summary = jobs.run(str(tmp_path / "job.json"), dataset=str(dataset), model=str(job_model),
+                       output=str(tmp_path / "out"), max_tokens=5, engine=job_engine, stream=io.StringIO())
+    assert summary.done == summary.committed == 3
+    rows = datasets.load_from_disk(str(tmp_path / "out"))
+    assert max(rows["completion_tokens"]) <= 5 and rows[0]["acceptance"]["mode"] == "chain"
+    with pytest.raises(ConfigError, match="unknown key 'max_token'"):
+        jobs.run(dataset=str(dataset), model=str(job_model), output=str(tmp_path / "o2"), max_token=5)
