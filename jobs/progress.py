@@ -1,9 +1,21 @@
-"""Progress of a job: a bar on a terminal, plain log lines otherwise."""
+"""Progress of a job: a bar on a terminal, plain log lines otherwise, and
+a small file in the output folder (``progress-<writer>.json``) rewritten
+every `STATUS_EVERY_S` seconds, which ``jobs status`` reads while the job
+runs (commits come far less often)."""
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import time
+from pathlib import Path
+
+import orjson
+
+from jobs.ledger import open_plain
+
+STATUS_EVERY_S = 2.0
 
 
 class Progress:
@@ -19,11 +31,15 @@ class Progress:
         interval: Seconds between log lines when not on a terminal.
         prefix: Put before every line (the rank under mlx.launch).
         quiet: Show no progress and no `info` lines (`log` still prints).
+        status_file: Where to keep the live status (None: nowhere).
+        eta_after: Rows this run must finish before an ETA is given (the
+            batch size: rows finish in bursts, the first ones after about as
+            long as a whole batch takes).
     """
 
     def __init__(
         self, total: int | None, done: int = 0, stream=None, interval: float = 10.0, prefix: str = "",
-        prompts: int | None = None, quiet: bool = False,
+        prompts: int | None = None, quiet: bool = False, status_file: Path | None = None, eta_after: int = 1,
     ):
         self.stream = stream or sys.stderr
         self.prefix = prefix
@@ -40,6 +56,11 @@ class Progress:
         self._rows_this_run = 0
         self._bar = None
         self.quiet = quiet
+        self.status_file = status_file
+        self.eta_after = max(1, eta_after)
+        self._last_status = 0.0
+        self._since = time.time()
+        self._write_status("running")
         if self.stream.isatty() and not prefix and not quiet:
             from tqdm import tqdm
 
@@ -53,13 +74,16 @@ class Progress:
         self.tokens += tokens
         self.steps += steps
         self.accepted += accepted
+        now = time.perf_counter()
+        if now - self._last_status >= STATUS_EVERY_S:
+            self._last_status = now
+            self._write_status("running")
         if self._bar is not None:
             self._bar.set_postfix_str(self._postfix(), refresh=False)
             self._bar.update(1)
             return
         if self.quiet:
             return
-        now = time.perf_counter()
         if now - self._last_log >= self.interval or (self.total and self.done >= self.total):
             self._last_log = now
             self.log(self.line())
@@ -77,13 +101,36 @@ class Progress:
         elapsed = time.perf_counter() - self.started
         total = f"/{self.total}" if self.total is not None else ""
         pct = f" ({100 * self.done / self.total:.1f}%)" if self.total else ""
-        eta = ""
-        if self.total and self._rows_this_run:
-            left = (self.total - self.done) * elapsed / self._rows_this_run
-            eta = f" | ETA {_clock(left)}"
+        left = self.eta_s()
+        eta = "" if left is None else f" | ETA {_clock(left)}"
         what = f"completions {self.done}{total}{pct} of {self.prompts} prompts" if self.prompts else \
             f"rows {self.done}{total}{pct}"
         return f"{what} | {self._postfix()}{eta} | elapsed {_clock(elapsed)}"
+
+    def eta_s(self) -> float | None:
+        """Seconds left at this run's pace, once it has finished `eta_after` rows."""
+        if not self.total or self._rows_this_run < min(self.eta_after, self.total - self.done + self._rows_this_run):
+            return None
+        return (self.total - self.done) * (time.perf_counter() - self.started) / self._rows_this_run
+
+    def _write_status(self, state: str) -> None:
+        """Rewrite the live status file (advisory: never fsynced, and a
+        failure to write it is ignored; commits hold what counts)."""
+        if self.status_file is None:
+            return
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        data = {"state": state, "pid": os.getpid(), "host": socket.gethostname(), "since": self._since,
+                "updated": time.time(), "done": self.done, "total": self.total, "prompts": self.prompts,
+                "errors": self.errors, "tokens": self.tokens, "tokens_per_s": round(self.tokens / elapsed, 1),
+                "acceptance_length": round((self.accepted + self.steps) / self.steps, 3) if self.steps else None,
+                "eta_s": self.eta_s(), "line": self.line()}
+        tmp = self.status_file.with_name(f".tmp-{self.status_file.name}")
+        try:
+            with open_plain(tmp, "wb") as f:
+                f.write(orjson.dumps(data))
+            os.replace(tmp, self.status_file)
+        except OSError:
+            pass
 
     def info(self, message: str) -> None:
         """A line that ``quiet`` leaves out (what the job is, how it goes)."""
@@ -97,7 +144,10 @@ class Progress:
         else:
             print(message, file=self.stream, flush=True)
 
-    def close(self) -> None:
+    def close(self, state: str = "finished") -> None:
+        """End the bar and leave the status file saying how the run ended
+        ("finished", "interrupted" or "failed")."""
+        self._write_status(state)
         if self._bar is not None:
             self._bar.close()
 

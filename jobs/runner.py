@@ -343,6 +343,10 @@ def _os_error_message(e: OSError, out: OutputFolder) -> str:
     return f"cannot write to {out.path}: {what}{where}{'; ' + hint if hint else ''}. {kept}"
 
 
+PROGRESS_PREFIX = "progress-"
+"""The live status files: ``progress-<writer>.json`` (`jobs.progress`)."""
+
+
 def _run(config, engine, source, scan, out, ranks, stream, log, version) -> JobSummary:
     rank, world = ranks.rank, ranks.world
     progress_log = lambda m: progress.log(m)  # noqa: E731  (progress is made below)
@@ -356,6 +360,8 @@ def _run(config, engine, source, scan, out, ranks, stream, log, version) -> JobS
         stream=stream,
         prefix=f"[rank {rank}/{world}] " if world > 1 else "",
         quiet=config.quiet,
+        status_file=out.path / f"{PROGRESS_PREFIX}{writer_name(rank)}.json",
+        eta_after=config.batch_size,
     )
     progress.info(
         f"job: {config.dataset} -> {config.output} | model {Path(config.model).name} | "
@@ -383,12 +389,16 @@ def _run(config, engine, source, scan, out, ranks, stream, log, version) -> JobS
     with StopRequest() as stop:
         stuck: list[TemplateStuck] = []
         work = _work(source, config, preparer, out.done, rank, world, stop, stuck)
-        _decode(engine, config, work, finish, stop, log=progress.log, info=progress.info, warmed=buffer.warmed)
-        buffer.flush()
+        try:
+            _decode(engine, config, work, finish, stop, log=progress.log, info=progress.info, warmed=buffer.warmed)
+            buffer.flush()
+        except BaseException:
+            progress.close("failed")
+            raise
         if stuck:  # the rows admitted before it were finished and committed
-            progress.close()
+            progress.close("failed")
             raise stuck[0]
-        progress.close()
+        progress.close("interrupted" if stop.requested else "finished")
         if world > 1 and not stop.requested:
             ranks.barrier()  # every rank's rows are committed
             if rank == 0:

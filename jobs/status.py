@@ -6,9 +6,13 @@ a resume repairs it (the damaged shards' rows are redone)."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
+import orjson
+
 from jobs.ledger import Totals
+from jobs.lock import FolderLock
 from jobs.output import REPEATED_LINE, OutputError, checked_entries, ledgers, read_manifest
 
 
@@ -36,6 +40,29 @@ def folder_state(folder: Path, verify: bool) -> tuple[dict, Totals, list[str]]:
             continue
         totals.add(e)
     return manifest, totals, damage
+
+
+def run_lines(folder: Path) -> list[str]:
+    """Each writer's last run, from its live status file (`jobs.progress`):
+    running now (the folder's lock is held), or how and when it ended."""
+    held = FolderLock(folder).is_held()
+    lines = []
+    for path in sorted(folder.glob("progress-*.json")):
+        try:
+            data = orjson.loads(path.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            continue
+        if not isinstance(data, dict) or not isinstance(data.get("updated"), (int, float)):
+            continue
+        who = f"pid {data.get('pid')} on {data.get('host')}"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data["updated"]))
+        if data.get("state") == "running" and held:
+            lines.append(f"running:   {who}, {time.time() - data['updated']:.0f} s ago: {data.get('line')}")
+        elif data.get("state") == "running":
+            lines.append(f"last run:  stopped at {when} without finishing ({who} is gone): {data.get('line')}")
+        else:
+            lines.append(f"last run:  {data.get('state')} at {when} ({who}): {data.get('line')}")
+    return lines
 
 
 def count_line(done: int, dataset: dict, cfg: dict) -> str:
@@ -77,7 +104,8 @@ def print_status(folder: Path, verify: bool = False, stream=None) -> int:
         f"dataset:   {', '.join(map(str, paths)) if isinstance(paths, list) else paths}",
         f"model:     {manifest.get('model', {}).get('path')}",
         f"mode:      {describe_mode(cfg)}",
-        f"rows:      {count_line(t.rows, dataset, cfg)}, {t.errors} errors",
+        f"rows:      {count_line(t.rows, dataset, cfg)} (committed), {t.errors} errors",
+        *run_lines(folder),
         f"tokens:    {t.completion_tokens} completion tokens in {t.shards} shards",
         f"speed:     {t.tokens_per_s:.1f} tokens/s (over {t.elapsed_s:.0f} s of work; ranks at work together count once)" if t.tokens_per_s else "speed:     -",
         f"acceptance length: {t.acceptance_length:.2f} tokens per verify step" if t.acceptance_length else "acceptance length: -",

@@ -120,7 +120,7 @@ def test_generate_then_status(tmp_path, job_model, capsys):
     assert len(datasets.load_from_disk(str(out))) == 6
     assert main(["status", str(out)]) == 0
     status = capsys.readouterr().out
-    assert "6/6 done (100.0%), 1 errors" in status
+    assert "6/6 done (100.0%) (committed), 1 errors" in status and "last run:  finished at " in status
     assert "acceptance length:" in status and "tokens/s" in status
 
 

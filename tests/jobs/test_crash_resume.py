@@ -101,6 +101,40 @@ def test_kill9_anywhere_then_resume_equals_uninterrupted(tmp_path, job_model, jo
     assert sum(e.rows for e in ledgers) == 40
 
 
+def test_status_shows_a_running_job_live_and_how_its_last_run_ended(tmp_path, job_model):
+    """Between commits (every 256 rows or 60 s) status reads the job's live
+    status file: running, pid, rows done; once it ends, how and when."""
+    from jobs.cli import main
+
+    dataset = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(300))
+    output = tmp_path / "out"
+    proc = subprocess.Popen(generate_cmd(dataset, job_model, output), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    seen = None
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None and seen is None:
+            time.sleep(0.5)
+            if not (output / "manifest.json").exists():
+                continue
+            out = subprocess.run([sys.executable, "-m", "jobs", "status", str(output)], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=60).stdout
+            running = [line for line in out.splitlines() if line.startswith("running:")]
+            if running and " rows " in running[0] and not running[0].split(" rows ")[1].startswith("0/"):
+                seen = running[0]
+        assert seen is not None and f"pid {proc.pid} on" in seen and "/300 (" in seen
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    import io
+    import contextlib
+
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        main(["status", str(output)])
+    assert f"without finishing (pid {proc.pid} on" in text.getvalue()  # killed: said so
+
+
 def test_sigint_commits_and_prints_how_to_resume(tmp_path, job_model):
     dataset = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(200))
     output = tmp_path / "out"
