@@ -99,7 +99,7 @@ class JobConfig:
     stop: tuple[str, ...] = ()
     batch_size: int | None = None
     rows_per_shard: int = 256
-    commit_seconds: float = 300.0
+    commit_seconds: float = 60.0
     prompt_field: str = "prompt"
     messages_field: str = "messages"
     id_field: str = "id"
