@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--config", help="YAML or JSON file with any of the settings below (flags override it)")
     g.add_argument("--dataset", help="prompt file (.jsonl .json .csv .parquet .arrow), glob, or save_to_disk folder")
-    g.add_argument("--model", help="Qwen3-Next or Qwen3.5 checkpoint folder with its MTP head")
+    g.add_argument("--model", help="Qwen3-Next or Qwen3.5 checkpoint with its MTP head: a folder, or a Hugging Face "
+                   "Hub id (org/name) from the local Hub cache, downloaded where the network allows")
     g.add_argument("--output", help="output folder (created; resumed if it holds this job)")
     g.add_argument("--mode", choices=MODES, help="decoding mode, --batch-size rows at once; 'baseline' (the "
                    "default) is plain batching; 'auto' chooses each step's drafts, 0 (plain) to --draft-tokens, from "

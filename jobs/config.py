@@ -8,6 +8,7 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from mtp_engine.model.hub import resolve_model
 from mtp_engine.modes import DecodeConfig
 from mtp_engine.options import EngineOptions
 from mtp_engine.sampling import SamplingParams
@@ -320,7 +321,7 @@ def model_identity(model_dir: str | Path) -> dict:
     name, size and header (tensor names, dtypes, shapes, offsets); not the
     weights themselves, which can be many gigabytes.
     """
-    folder = Path(model_dir).expanduser().resolve()
+    folder = resolve_model(model_dir).resolve()
     h = hashlib.sha256()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         p = folder / name

@@ -49,6 +49,7 @@ from jobs.prompts import Preparer, Request, RowError, TemplateStuck, completion_
 from jobs.readers import PromptSource
 from mtp_engine import MTPEngine
 from mtp_engine.decoder import Decoder
+from mtp_engine.model.hub import resolve_model
 from mtp_engine.model.loader import load_checkpoint_tokenizer
 from schemas.arrow import SCHEMA_VERSION, completion_row, error_row
 
@@ -193,7 +194,7 @@ def build_manifest(config: JobConfig, tokenizer, source: PromptSource, scan: "Da
         "fingerprint": fingerprint(parts),
         "fingerprint_parts": parts,
         "config": config.to_dict(),
-        "model": {**model_id, "path": str(Path(config.model).expanduser().resolve())},
+        "model": {**model_id, "path": str(resolve_model(config.model).resolve())},
         "dataset": {"path": config.dataset, "rows": scan.prompts, "completions": scan.completions,
                     "identity": source.identity()},
         "world_size": world,

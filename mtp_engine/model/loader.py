@@ -31,6 +31,7 @@ from mtp_engine.model.family import (
     text_args,
     text_config,
 )
+from mtp_engine.model.hub import resolve_model
 from mtp_engine.model.install import install_engine_layers
 from mtp_engine.model.mtp_head import MTPHead
 from mtp_engine.options import EngineOptions, FastPathStatus
@@ -73,13 +74,14 @@ class LoadedCheckpoint:
 
 
 def read_config(path: str | Path) -> tuple[Path, dict]:
-    """Check a checkpoint folder and read its ``config.json``.
+    """Check a checkpoint folder (or a Hub id, `resolve_model`) and read its
+    ``config.json``.
 
     Raises:
         FileNotFoundError: The folder or its config does not exist.
         CheckpointError: The config is not one of a supported family.
     """
-    folder = Path(path).expanduser()
+    folder = resolve_model(path)
     if not folder.exists():
         raise FileNotFoundError(f"model folder {str(path)!r} does not exist")
     if not folder.is_dir():

@@ -206,3 +206,30 @@ def test_job_that_cannot_run_exits_nonzero_with_the_reason(tmp_path, capsys):
 def test_status_of_a_non_job_folder(tmp_path, capsys):
     assert main(["status", str(tmp_path)]) == 1
     assert "not a job output folder" in capsys.readouterr().err
+
+
+def test_a_hub_id_is_read_from_the_local_hub_cache(tmp_path, job_model, capsys, monkeypatch):
+    """--model org/name resolves through the Hub cache's layout (refs/main ->
+    snapshots/<revision>), as huggingface-cli download leaves it; the
+    manifest records the revision. A missing one is one error line."""
+    import shutil
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--test-org--tiny-mtp" / "snapshots" / "0123abcd"
+    shutil.copytree(job_model, snapshot)
+    (cache / "models--test-org--tiny-mtp" / "refs").mkdir()
+    (cache / "models--test-org--tiny-mtp" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(2))
+    out = tmp_path / "out"
+    assert main(["generate", "--dataset", str(dataset), "--model", "test-org/tiny-mtp", "--output", str(out),
+                 "--max-tokens", "4"]) == 0
+    model = json.loads((out / "manifest.json").read_text())["model"]
+    assert model["revision"] == "0123abcd" and model["path"] == str(snapshot.resolve())
+    capsys.readouterr()
+    assert main(["generate", "--dataset", str(dataset), "--model", "test-org/absent", "--output",
+                 str(tmp_path / "o2")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: model 'test-org/absent' is not a local folder and not in the "
+                                               f"local Hub cache ({cache}; HF_HUB_OFFLINE is set")
