@@ -21,6 +21,18 @@ from mtp_engine.sampling import SAMPLERS, SamplingParams
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 
 
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m jobs",
@@ -57,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--messages-field", help="field holding chat messages (default: messages)")
     g.add_argument("--id-field", help="field holding the row id; rows without it use their row number (default: id)")
     g.add_argument("--system-prompt", help="system message prepended to chat rows that have none")
+    g.add_argument("--chat-template", metavar="FILE", help="Jinja chat template rendering chat rows instead of the "
+                   "model's own")
+    g.add_argument("--chat-template-kwargs", metavar="JSON", type=_json_object,
+                   help="extra chat template variables as a JSON object, e.g. '{\"enable_thinking\": false}'")
     g.add_argument("--limit", type=int, help="only the first N rows of the dataset")
     g.add_argument("--n", type=int, help="completions per prompt, one output row each (default: 1). Rows may "
                    "set n, temperature, top_p, top_k, min_p and seed themselves")

@@ -85,6 +85,11 @@ class JobConfig:
         verbose: Print each fast path's state on its own line.
         max_error_rate: The share of a run's rows that may be error rows
             before the command exits 1 (the rows stay committed).
+        chat_template: A Jinja file rendering chat rows instead of the
+            model's own template.
+        chat_template_kwargs: Extra variables for the chat template, as
+            Hugging Face's ``apply_chat_template`` takes them (for example
+            ``{"enable_thinking": false}`` for Qwen3 templates).
     """
 
     dataset: str
@@ -120,6 +125,8 @@ class JobConfig:
     quiet: bool = False
     verbose: bool = False
     max_error_rate: float = 0.5
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = None
 
     def __post_init__(self):
         for f in fields(self):  # a config file's "false" is not a boolean, 5 is not a list of stop strings
@@ -228,14 +235,32 @@ class JobConfig:
         return d
 
     def rendering(self) -> dict:
-        """How rows become prompts (fingerprinted)."""
-        return {
+        """How rows become prompts (fingerprinted; the template itself is
+        fingerprinted by its hash, `fingerprint_parts`)."""
+        d = {
             "prompt_field": self.prompt_field,
             "messages_field": self.messages_field,
             "id_field": self.id_field,
             "system_prompt": self.system_prompt,
             "add_generation_prompt": True,
         }
+        if self.chat_template_kwargs:
+            d["chat_template_kwargs"] = self.chat_template_kwargs
+        return d
+
+    def template_text(self) -> str | None:
+        """The ``chat_template`` file's text (None: the model's template).
+
+        Raises:
+            ConfigError: The file cannot be read.
+        """
+        if self.chat_template is None:
+            return None
+        try:
+            return Path(self.chat_template).expanduser().read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"chat_template {self.chat_template!r} cannot be read: "
+                              f"{getattr(e, 'strerror', None) or e}") from None
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -245,6 +270,7 @@ class JobConfig:
 
 
 _EXPECTED_TYPES = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
+                   "dict": "a mapping (a JSON object)",
                    "tuple[str, ...]": "a string or a list of strings",
                    "tuple[tuple[str, object], ...]": "a mapping or a list of NAME=VALUE strings"}
 
@@ -262,6 +288,8 @@ def _is(value, kind: str) -> bool:
         return isinstance(value, (int, float))
     if kind == "str":
         return isinstance(value, str)
+    if kind == "dict":
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
     if kind == "tuple[str, ...]":
         return isinstance(value, (str, list, tuple))
     return isinstance(value, (dict, list, tuple))

@@ -136,6 +136,10 @@ class Preparer:
         self.unknown = openai_batch.UnknownFields(log)
         self.rendered = 0  # chat rows rendered in time
         self.timeouts = 0
+        self.template_options = dict(config.chat_template_kwargs or {})
+        template = config.template_text()
+        if template is not None:
+            self.template_options["chat_template"] = template
 
     def row_id(self, row: SourceRow) -> tuple[str, str | None]:
         """The row's id and, if it is unusable, why."""
@@ -258,7 +262,7 @@ class Preparer:
             messages = [{"role": "system", "content": self.config.system_prompt}] + messages
         try:
             text = _within(RENDER_LIMIT_S, lambda: self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False))
+                messages, add_generation_prompt=True, tokenize=False, **self.template_options))
         except _RenderTimeout:
             self.timeouts += 1
             if not self.rendered and self.timeouts >= STUCK_ROWS:

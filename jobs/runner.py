@@ -187,7 +187,7 @@ def build_manifest(config: JobConfig, tokenizer, source: PromptSource, scan: "Da
                    schema_version: int = SCHEMA_VERSION) -> dict:
     """The job's manifest; ``tokenizer`` (the model's) gives its chat template."""
     model_id = model_identity(config.model)
-    template = getattr(tokenizer, "chat_template", None)
+    template = config.template_text() or getattr(tokenizer, "chat_template", None)
     parts = fingerprint_parts(config, model_id, template, schema_version)
     return {
         "schema_version": schema_version,

@@ -408,3 +408,26 @@ def test_jobs_run_takes_the_cli_settings_from_python(tmp_path, job_model, job_en
     assert max(rows["completion_tokens"]) <= 5 and rows[0]["acceptance"]["mode"] == "chain"
     with pytest.raises(ConfigError, match="unknown key 'max_token'"):
         jobs.run(dataset=str(dataset), model=str(job_model), output=str(tmp_path / "o2"), max_token=5)
+
+
+def test_a_chat_template_file_and_template_variables_render_chat_rows(tmp_path, job_model, job_engine):
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}{% if shout %} LOUD{% endif %}] {{ m.content }}\n"
+                        "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+    rows = [{"id": "c", "messages": [{"role": "user", "content": PROMPT_TEXTS[0]}]}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    run_job(job_config(dataset, job_model, out, max_tokens=4, chat_template=str(template),
+                       chat_template_kwargs={"shout": True}), engine=job_engine, stream=io.StringIO())
+    row = datasets.load_from_disk(str(out))[0]
+    assert row["prompt"] == f"[user LOUD] {PROMPT_TEXTS[0]}\n[assistant]" and row["chat"]
+    with pytest.raises(FingerprintMismatch, match="chat_template_kwargs"):  # another rendering: refused
+        run_job(job_config(dataset, job_model, out, max_tokens=4, chat_template=str(template),
+                           chat_template_kwargs={"shout": False}), engine=job_engine, stream=io.StringIO())
+    template.write_text(template.read_text().replace("[assistant]", "[bot]"))
+    with pytest.raises(FingerprintMismatch, match="chat_template_sha256"):
+        run_job(job_config(dataset, job_model, out, max_tokens=4, chat_template=str(template),
+                           chat_template_kwargs={"shout": True}), engine=job_engine, stream=io.StringIO())
+    with pytest.raises(ConfigError, match="chat_template '.*absent.jinja' cannot be read"):
+        run_job(job_config(dataset, job_model, tmp_path / "o2", chat_template=str(tmp_path / "absent.jinja")),
+                engine=job_engine, stream=io.StringIO())
