@@ -12,6 +12,8 @@ from mtp_engine.model.hub import resolve_model
 from mtp_engine.modes import DecodeConfig
 from mtp_engine.options import EngineOptions
 from mtp_engine.sampling import SamplingParams
+
+PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 from schemas import SCHEMA_VERSION
 
 BATCHED_MODES = ("auto", "chain", "baseline")
@@ -65,6 +67,9 @@ class JobConfig:
         limit: Process only the first ``limit`` rows of the dataset.
         temperature, top_p, top_k, min_p: As `SamplingParams` (rows may
             override them); temperature 0 decodes greedily.
+        repetition_penalty, presence_penalty, frequency_penalty: As
+            `SamplingParams` (rows may override them; greedy rows use them
+            too).
         seed: The job's seed; completion ``j`` of row ``id`` samples with a
             seed derived from it (or from the row's own ``seed``), the id
             and ``j`` (`jobs.prompts.completion_seed`).
@@ -120,6 +125,9 @@ class JobConfig:
     seed: int = SamplingParams.seed
     n: int = 1
     sampler: str = SamplingParams.sampler
+    repetition_penalty: float = SamplingParams.repetition_penalty
+    presence_penalty: float = SamplingParams.presence_penalty
+    frequency_penalty: float = SamplingParams.frequency_penalty
     fast_paths: tuple[tuple[str, object], ...] = ()
     warm_up: bool | None = None
     quiet: bool = False
@@ -179,7 +187,8 @@ class JobConfig:
     def sampling(self) -> SamplingParams:
         """The job's sampling settings (each completion's seed is derived
         from ``seed``)."""
-        return SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p, self.seed, self.sampler)
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p, self.seed, self.sampler,
+                              self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
 
     def engine_options(self) -> EngineOptions:
         """The engine's fast-path switches: environment defaults, then ours."""
@@ -226,6 +235,9 @@ class JobConfig:
         if schema_version >= 2:
             d["sampling"] = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
                              "min_p": self.min_p, "seed": self.seed, "n": self.n, "sampler": self.sampler}
+            for name in PENALTIES:  # only when set: folders written before penalties keep their fingerprint
+                if getattr(self, name) != getattr(SamplingParams, name):
+                    d["sampling"][name] = getattr(self, name)
         if self.mode != "baseline":
             d["draft_tokens"] = self.draft_tokens
             if self.mode == "paths":

@@ -4,8 +4,9 @@ In: a JSONL line ``{"custom_id", "method", "url", "body": {...}}`` of the
 OpenAI Batch API is read as a row (`request_row`): ``custom_id`` is its id;
 the body's ``messages`` (``/v1/chat/completions``) or ``prompt``
 (``/v1/completions``), ``max_completion_tokens`` or ``max_tokens``,
-``temperature``, ``top_p``, ``n``, ``seed`` and ``stop`` become the row's
-fields (``top_k`` and ``min_p`` too, as vLLM accepts them). Fields the job
+``temperature``, ``top_p``, ``n``, ``seed``, ``stop``, ``presence_penalty``
+and ``frequency_penalty`` become the row's fields (``top_k``, ``min_p`` and
+``repetition_penalty`` too, as vLLM accepts them). Fields the job
 cannot honour are named once in the job's log (`UnknownFields`), never
 dropped silently; ``model`` is ignored (the job's model writes every row).
 Body fields a line leaves out take the job's settings (not OpenAI's
@@ -21,7 +22,8 @@ from __future__ import annotations
 import hashlib
 
 CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "n", "stop")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "n", "stop", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty")
 IGNORED_FIELDS = {"model": "the job's model writes every row"}
 
 

@@ -3,7 +3,9 @@
 A row gives either a ``prompt`` string (used as is) or chat ``messages``
 (rendered with the tokenizer's chat template, ``add_generation_prompt=True``).
 Optional per-row fields override the job's: ``max_tokens``, ``stop``,
-``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed`` and ``n``. A line
+``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``n`` and the
+penalties (``repetition_penalty``, ``presence_penalty``,
+``frequency_penalty``). A line
 of an OpenAI batch file is read as such a row (`jobs.openai_batch`). Every
 problem becomes one error row with a kind and a message; nothing here
 raises for bad input, except a chat template that runs past
@@ -23,7 +25,8 @@ from jobs.config import MAX_N, JobConfig
 from jobs.readers import SourceRow
 from mtp_engine.sampling import SamplingParams
 
-SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "min_p", "seed")
+SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+                      "frequency_penalty")
 RENDER_LIMIT_S = 10.0
 """Seconds a chat template may take to render one row (a real one takes
 milliseconds); a row past it is an error row ``template_timeout``."""

@@ -48,7 +48,7 @@ from mtp_engine.cache.batch import BatchKVCache, append_row, filter_rows, make_b
 from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.controller import Controller, RowAcceptance
 from mtp_engine.modes import CHAINS, DecodeConfig
-from mtp_engine.sampling import SamplingParams, choose
+from mtp_engine.sampling import SamplingParams, apply_penalties, choose
 from mtp_engine.stopping import Finisher, stop_list
 from mtp_engine.verify import verify
 from schemas.records import GenerationResult, GenerationStats, StepTrace
@@ -250,7 +250,8 @@ class Decoder:
         self.hooks.lap("draft", proposal.tokens)
         t1 = time.perf_counter()
         xs = mx.array([[r.x] for r in rows], dtype=mx.int32)
-        v = verify(self.engine.model.model, self.engine.lm_head, self.caches, xs, proposal, params, starts)
+        histories = [r.finisher.tokens for r in rows] if any(p.penalized for p in params) else None
+        v = verify(self.engine.model.model, self.engine.lm_head, self.caches, xs, proposal, params, starts, histories)
         self.hooks.lap("verify", states=self.caches)
         t2 = time.perf_counter()
         paths_of: list[list[int]] = [[] for _ in rows]  # each row's verify rows (its paths, in order)
@@ -300,7 +301,11 @@ class Decoder:
         else:  # the head consumes the pairs (hidden, token) at its next draft
             hidden = self.engine.model.model(xs, cache=self.caches)
             logits = self.engine.lm_head(hidden)
-        ahead = choose(logits, [r.sampling for r in rows], positions)  # [R, 1]
+        params = [r.sampling for r in rows]
+        if any(p.penalized for p in params):  # each row's history: its tokens, and the one not read back yet
+            logits = apply_penalties(logits, params, [r.finisher.tokens for r in rows], pending=self._ahead,
+                                     fed=self._fed)
+        ahead = choose(logits, params, positions)  # [R, 1]
         mx.async_eval(ahead)
         self.hooks.lap("verify", ahead)
         done = self._read_ahead()

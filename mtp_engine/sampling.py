@@ -21,6 +21,15 @@ scales them. Two samplers:
 
 The noise is a pure function of (seed, position, vocabulary index, stream):
 integer hashing in MLX ops, identical on every backend, batch shape and rank.
+
+Penalties (`apply_penalties`) change the logits before either: at generated
+position ``t`` a row's logits are penalized by the tokens it generated
+before ``t`` (the prompt does not count), a repetition penalty ``r`` as
+Hugging Face applies it (a seen token's logit ``l`` becomes ``l / r`` if
+``l > 0``, else ``l * r``), then OpenAI's presence and frequency penalties
+(``l - presence - frequency * count``). A verify forward penalizes each of
+its positions by the row's tokens plus the drafts before that position, so
+speculation emits what plain decoding with the same penalties emits.
 """
 
 from __future__ import annotations
@@ -48,6 +57,8 @@ class SamplingParams:
         min_p: Drop tokens under ``min_p`` times the likeliest's probability.
         seed: The completion's seed (any integer in 0..2**63-1).
         sampler: "exact" or "rejection" (see the module docstring).
+        repetition_penalty: > 0; 1 is off (greedy rows use it too).
+        presence_penalty, frequency_penalty: In [-2, 2]; 0 is off.
     """
 
     temperature: float = 0.0
@@ -56,6 +67,9 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int = 0
     sampler: str = "exact"
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         t = self.temperature
@@ -71,10 +85,21 @@ class SamplingParams:
             raise ValueError(f"seed must be an int in 0..2**63-1, got {self.seed!r}")
         if self.sampler not in SAMPLERS:
             raise ValueError(f"sampler must be one of {', '.join(SAMPLERS)}, got {self.sampler!r}")
+        r = self.repetition_penalty
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {r!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -2 <= v <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {v!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     def filter_key(self) -> tuple:
         """What the filters depend on (rows sharing it filter together)."""
@@ -82,7 +107,8 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams()
-FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "sampler")
+FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "sampler", "repetition_penalty", "presence_penalty",
+          "frequency_penalty")
 """The keyword names of `SamplingParams`."""
 
 HELP = {
@@ -93,17 +119,56 @@ HELP = {
     "seed": "the seed (a job's: each completion's seed derives from it, the row id and the sample index)",
     "sampler": "exact: every mode, batch size and rank writes the same tokens for a seed; rejection: "
                "speculative sampling, lossless in distribution",
+    "repetition_penalty": "divide a generated token's positive logit by it (multiply a negative one); 1 is off",
+    "presence_penalty": "subtract it from the logit of every token generated so far; 0 is off",
+    "frequency_penalty": "subtract it times the count of each token generated so far; 0 is off",
 }
 """One line per field for command lines."""
 
 
 def make_sampling(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-                  seed: int | None = None, sampler: str = "exact") -> SamplingParams:
+                  seed: int | None = None, sampler: str = "exact", **penalties) -> SamplingParams:
     """Validated `SamplingParams`; an unset seed becomes a fresh random one
     (each completion its own, never a shared stream)."""
     if seed is None:
         seed = secrets.randbits(63)
-    return SamplingParams(temperature, top_p, top_k, min_p, seed, sampler)
+    return SamplingParams(temperature, top_p, top_k, min_p, seed, sampler, **penalties)
+
+
+def apply_penalties(logits: mx.array, params: list[SamplingParams], history: list[list[int]],
+                    drafts: mx.array | None = None, pending: mx.array | None = None,
+                    fed: list[bool] | None = None) -> mx.array:
+    """``[R, T, V]`` logits with each row's penalties (module docstring):
+    column ``t`` of row ``r`` is penalized by ``history[r]`` (its generated
+    tokens), then, where given, ``pending[r]`` (``[R, 1]``, a token generated
+    but not yet read back, for rows where ``fed[r]``) and the drafts before
+    column ``t`` (``drafts``: ``[R, T - 1]``). Unpenalized rows come back
+    unchanged, in the logits' dtype, as do penalized ones (so plain decoding
+    and every batch round alike)."""
+    if not any(p.penalized for p in params):
+        return logits
+    R, T, V = logits.shape
+    rows = [r for r, h in enumerate(history) if params[r].penalized for _ in h]
+    tokens = [t for r, h in enumerate(history) if params[r].penalized for t in h]
+    counts = mx.zeros((R, 1, V), dtype=mx.float32)
+    if tokens:
+        counts = counts.at[mx.array(rows, dtype=mx.int32), 0, mx.array(tokens, dtype=mx.int32)].add(1.0)
+    vocab = mx.arange(V, dtype=mx.int32)
+    if pending is not None:
+        counts = counts + ((pending[..., None] == vocab) & mx.array(fed)[:, None, None]).astype(mx.float32)
+    if drafts is not None and T > 1:
+        seen_before = mx.cumsum((drafts[..., None].astype(mx.int32) == vocab).astype(mx.float32), axis=1)
+        counts = counts + mx.concatenate([mx.zeros((R, 1, V), dtype=mx.float32), seen_before], axis=1)
+    on = mx.array([p.penalized for p in params])[:, None, None]
+    counts = mx.where(on, counts, 0.0)
+    seen = counts > 0
+    rep = mx.array([float(p.repetition_penalty) for p in params], dtype=mx.float32)[:, None, None]
+    presence = mx.array([float(p.presence_penalty) for p in params], dtype=mx.float32)[:, None, None]
+    frequency = mx.array([float(p.frequency_penalty) for p in params], dtype=mx.float32)[:, None, None]
+    x = logits.astype(mx.float32)
+    x = mx.where(seen, mx.where(x > 0, x / rep, x * rep), x)
+    x = x - mx.where(seen, presence, 0.0) - frequency * counts
+    return x.astype(logits.dtype)
 
 
 def filtered_logprobs(logits: mx.array, params: SamplingParams) -> mx.array:

@@ -24,7 +24,16 @@ import mlx.core as mx
 from mtp_engine.cache.batch import commit_rows, filter_rows
 from mtp_engine.cache.capture import StateCaptureCache
 from mtp_engine.drafters.base import Proposal
-from mtp_engine.sampling import ACCEPT, RESIDUAL, SamplingParams, choose, gumbel, scaled_logprobs, uniforms
+from mtp_engine.sampling import (
+    ACCEPT,
+    RESIDUAL,
+    SamplingParams,
+    apply_penalties,
+    choose,
+    gumbel,
+    scaled_logprobs,
+    uniforms,
+)
 
 
 def positions_of(starts: list[int], width: int) -> mx.array:
@@ -110,7 +119,7 @@ class Verified:
 
 
 def verify(trunk, lm_head, caches: list, xs: mx.array, proposal: Proposal, params: list[SamplingParams],
-           starts: list[int]) -> Verified:
+           starts: list[int], histories: list[list[int]] | None = None) -> Verified:
     """One trunk forward over every verify row's ``[x, drafts]``; commit each
     row's winning path to the caches.
 
@@ -124,6 +133,9 @@ def verify(trunk, lm_head, caches: list, xs: mx.array, proposal: Proposal, param
         proposal: The drafts (plain steps are `Decoder._plain_step`'s).
         params: Each row's sampling.
         starts: Each row's generated position of the token ``x`` precedes.
+        histories: Each row's generated tokens, for rows with penalties
+            (`mtp_engine.sampling.apply_penalties`; each position also
+            counts the drafts before it).
     """
     rows = xs.shape[0]
     drafts, owners, uses, q_scaled = proposal.tokens, proposal.owners, proposal.uses, proposal.q_scaled
@@ -142,6 +154,8 @@ def verify(trunk, lm_head, caches: list, xs: mx.array, proposal: Proposal, param
     logits = lm_head(hidden)
     vparams = [params[o] for o in owners]
     vstarts = [starts[o] for o in owners]
+    if histories is not None:
+        logits = apply_penalties(logits, vparams, [histories[o] for o in owners], inputs[:, 1:])
     rejecting = [q_scaled is not None and p.sampler == "rejection" and not p.greedy for p in vparams]
     lazy = []
     if not all(rejecting):  # rows whose drafts match targets (greedy, exact sampler)

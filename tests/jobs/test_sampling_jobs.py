@@ -271,3 +271,25 @@ def test_export_refuses_to_write_inside_the_job_folder(tmp_path, job_model, job_
     assert ledger.read_bytes() == before and not (out / "export.jsonl").exists()
     summary = run_job(job_config(dataset, job_model, out), engine=job_engine)
     assert summary.committed == 0 and len(rows_by_key(out)) == 6  # nothing redone
+
+
+def test_penalties_from_the_job_and_from_rows_are_applied_in_every_mode(tmp_path, job_model, job_engine):
+    """A job's --presence-penalty, and an OpenAI batch body's
+    frequency_penalty, give the engine's plain decoding with those
+    penalties, in the chain mode as in plain batching; the fingerprint
+    covers the job's."""
+    rows = [{"id": "job", "prompt": PROMPT_TEXTS[6]},  # a prompt whose plain completion repeats a token
+            {"custom_id": "body", "method": "POST", "url": "/v1/completions",
+             "body": {"prompt": PROMPT_TEXTS[5], "frequency_penalty": 1.5}}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    want = {("job", 0): job_engine.generate(PROMPT_TEXTS[6], max_tokens=16, mode="baseline", presence_penalty=1.2),
+            ("body", 0): job_engine.generate(PROMPT_TEXTS[5], max_tokens=16, mode="baseline", presence_penalty=1.2,
+                                             frequency_penalty=1.5)}
+    assert want[("job", 0)].tokens != job_engine.generate(PROMPT_TEXTS[6], max_tokens=16, mode="baseline").tokens
+    for mode in ("baseline", "chain"):
+        out = tmp_path / mode
+        run_job(job_config(dataset, job_model, out, mode=mode, presence_penalty=1.2), engine=job_engine)
+        got = rows_by_key(out)
+        assert {k: r["completion"] for k, r in got.items()} == {k: r.text for k, r in want.items()}
+    with pytest.raises(FingerprintMismatch, match="presence_penalty"):
+        run_job(job_config(dataset, job_model, tmp_path / "chain", presence_penalty=0.5), engine=job_engine)

@@ -107,11 +107,13 @@ class PlainSampler:
         self.eos = set(self.tokenizer.eos_token_ids)
 
     def sample(self, ids: list[int], params: SamplingParams, n: int) -> Reference:
-        """``n`` tokens of plain sampling with their scores' gaps."""
+        """``n`` tokens of plain sampling with their scores' gaps (penalties
+        applied by `penalized`, not by the engine's code)."""
         cache = make_prompt_cache(self.model)
         logits = self.model(mx.array(ids)[None], cache=cache)[:, -1:, :]
         out = Reference([], [], [])
         for t in range(n):
+            logits = penalized(logits, params, out.tokens)
             token = int(choose(logits, [params], mx.array([[t]]))[0, 0].item())
             if params.greedy:
                 score = logits[0, 0] - mx.logsumexp(logits[0, 0])
@@ -127,6 +129,20 @@ class PlainSampler:
 
     def last_logits(self, ids: list[int]) -> mx.array:
         return self.model(mx.array(ids)[None])[:, -1:, :]
+
+
+def penalized(logits: mx.array, params: SamplingParams, generated: list[int]) -> mx.array:
+    """``[1, 1, V]`` logits with the penalties applied token by token in
+    Python, from their definitions (Hugging Face's repetition penalty, then
+    OpenAI's presence and frequency penalties, over the generated tokens)."""
+    if not params.penalized or not generated:
+        return logits
+    row = logits[0, 0].astype(mx.float32).tolist()
+    for token, count in Counter(generated).items():
+        x = row[token]
+        x = x / params.repetition_penalty if x > 0 else x * params.repetition_penalty
+        row[token] = x - params.presence_penalty - params.frequency_penalty * count
+    return mx.array(row, dtype=mx.float32).astype(logits.dtype)[None, None]
 
 
 def filter_margin(logits: mx.array, params: SamplingParams, token: int) -> float:
@@ -194,6 +210,38 @@ def test_exact_sampler_every_mode_equals_plain_sampling(held_out, setting):
             assert result.stats.seed == seed
             assert_same_or_near_tie(f"{name} {mode} prompt {i}", result.tokens, reference,
                                     SamplingParams(seed=seed, **setting))
+
+
+PENALTIES = [dict(repetition_penalty=1.4), dict(presence_penalty=1.0, frequency_penalty=0.6)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_penalties_under_speculation_equal_plain_decoding_with_them(held_out, temperature):
+    """Penalties change the tokens (the test can fail), and every mode, and
+    a batch mixing penalized and unpenalized rows, emits what plain decoding
+    with the same penalties emits (its positions in a verify forward each
+    see the drafts before them)."""
+    name, engine, plain = held_out
+    prompts = [engine.encode(p) for p in PROMPTS[:3]]
+    settings = [SamplingParams(temperature=temperature, seed=50 + i, **pen)
+                for i, pen in enumerate(PENALTIES + [{}])]
+    references = [plain.sample(ids, p, N_TOKENS) for ids, p in zip(prompts, settings)]
+    unpenalized = [plain.sample(ids, SamplingParams(temperature=temperature, seed=p.seed), N_TOKENS)
+                   for ids, p in zip(prompts[:2], settings[:2])]
+    assert any(r.tokens != u.tokens for r, u in zip(references, unpenalized))
+    for i, (ids, params) in enumerate(zip(prompts, settings)):
+        for mode in ("baseline", "chain", "tree", "adaptive"):
+            result = engine.generate(ids, mode=mode, max_tokens=N_TOKENS, sampling=params, draft_tokens=3)
+            assert_same_or_near_tie(f"{name} {mode} row {i}", result.tokens, references[i], params)
+    for mode in ("chain", "auto", "baseline"):
+        decoder = Decoder(engine, DecodeConfig(mode=mode, draft_tokens=3, batch_size=3))
+        for i, (ids, params) in enumerate(zip(prompts, settings)):
+            decoder.add(i, ids, [params], max_tokens=N_TOKENS)
+        results = {}
+        while decoder.pending:
+            results.update({key: r.tokens for (key, _), r in decoder.step()})
+        for i, params in enumerate(settings):
+            assert_same_or_near_tie(f"{name} batched {mode} row {i}", results[i], references[i], params)
 
 
 @pytest.mark.parametrize("batch_size,k", [(1, 2), (3, 0), (3, 4), (8, 2)])
@@ -356,6 +404,14 @@ def test_filter_margins_find_the_tokens_at_a_cut():
     assert kept(top_p)[:3] == [True, True, False]
     assert filter_margin(logits, top_p, 2) < 1e-3 and filter_margin(logits, top_p, 1) > 0.1
     assert filter_margin(logits, SamplingParams(1.0), 3) == math.inf
+
+
+def test_bad_penalties_are_named():
+    for kwargs, message in ((dict(repetition_penalty=0), "repetition_penalty must be a finite number > 0"),
+                            (dict(presence_penalty=3), "presence_penalty must be a number in \\[-2, 2\\]"),
+                            (dict(frequency_penalty="1"), "frequency_penalty must be a number")):
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**kwargs)
 
 
 def test_bad_sampling_values_are_named():
