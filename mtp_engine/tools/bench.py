@@ -215,7 +215,8 @@ def run_modes(
                     tot.verify_s += s.verify_s
                 if r == 0:
                     tot.outputs[i] = tokens
-        log(f"round {r + 1}/{rounds} done")
+            if (i + 1) % max(1, len(prompts) // 4) == 0 or i + 1 == len(prompts):
+                log(f"round {r + 1}/{rounds}: {i + 1}/{len(prompts)} prompts, every mode")
     base = totals.get(reference)
     for tot in totals.values():
         for i, tokens in tot.outputs.items():
@@ -397,21 +398,34 @@ def cost_model(costs: dict, rows: list[dict], totals: dict | None = None) -> dic
     return out
 
 
-def batch_throughput(engine, prompts, max_tokens: int, sizes: list[int]) -> list[dict]:
-    """Tokens/s over the whole prompt set with plain batching (the engine's
-    batched decoder, no drafts), each size after an untimed warm-up (a few
-    tokens of one batch): the first batch of a size meets new shapes, and on
-    a GPU new kernels to compile. The dataset suite (``--suite dataset``)
-    adds batched speculation."""
+BATCHED_K = 3
+"""Drafts of the batched chain and the most of ``auto`` in the batch throughput runs."""
+
+
+def batch_throughput(engine, prompts, max_tokens: int, sizes: list[int], log=lambda m: None) -> list[dict]:
+    """Tokens/s over the whole prompt set at each batch size, as jobs decode
+    it: plain batching, the batched chain (K = `BATCHED_K`) and ``auto``
+    (at most K drafts a step), each after an untimed warm-up (a few tokens
+    of one batch: the first batch of a size meets new shapes, and on a GPU
+    new kernels to compile). The dataset suite (``--suite dataset``) adds
+    rounds, projections and the single-sequence reference."""
     out = []
     for size in sizes:
-        try:
-            run_batched(engine, prompts[:size], min(max_tokens, 8), size, 0)
-            run = run_batched(engine, prompts, max_tokens, size, 0)
-        except RuntimeError as e:  # a backend failure at one size loses only that size
-            out.append({"mode": f"batch-b{size}", "tokens_per_s": None, "error": f"{type(e).__name__}: {e}"})
-            continue
-        out.append({"mode": f"batch-b{size}", "tokens_per_s": round(run.tokens / run.seconds, 2), "tokens": run.tokens})
+        plain_tps = None
+        for name, k, auto in (("", 0, False), (f"-chain-k{BATCHED_K}", BATCHED_K, False),
+                              (f"-auto-k{BATCHED_K}", BATCHED_K, True)):
+            mode = f"batch-b{size}{name}"
+            try:
+                run_batched(engine, prompts[:size], min(max_tokens, 8), size, k, auto=auto)
+                run = run_batched(engine, prompts, max_tokens, size, k, auto=auto)
+            except RuntimeError as e:  # a backend failure at one size loses only that size
+                out.append({"mode": mode, "tokens_per_s": None, "error": f"{type(e).__name__}: {e}"})
+                continue
+            tps = run.tokens / run.seconds
+            plain_tps = plain_tps or tps
+            out.append({"mode": mode, "tokens_per_s": round(tps, 2), "tokens": run.tokens,
+                        "speedup_over_plain_batching": round(tps / plain_tps, 3)})
+            log(f"  {mode}: {tps:.1f} tok/s ({tps / plain_tps:.2f}x plain batching)")
     return out
 
 
@@ -683,7 +697,8 @@ def suite(engine, args, context: int | None, log, first: bool = True) -> dict:
         limit = args.batch_limit or args.limit
         # A dataset's own prompts, unpadded: the throughput a job over them sees.
         batch_prompts = read_prompts(engine, args.prompts, limit, None)
-        report["dataset_throughput"] = batch_throughput(engine, batch_prompts, args.max_tokens, args.batch_sizes)
+        log(f"batched: {len(batch_prompts)} prompts at batch sizes {', '.join(map(str, args.batch_sizes))}")
+        report["dataset_throughput"] = batch_throughput(engine, batch_prompts, args.max_tokens, args.batch_sizes, log)
         report["dataset_throughput"] += [
             {"mode": r["mode"], "tokens_per_s": r["tokens_per_s"], "note": "one row at a time"} for r in rows
         ]

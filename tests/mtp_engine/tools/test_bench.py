@@ -32,7 +32,8 @@ def test_bench_report(tmp_path, tiny_path):
     assert by_mode["baseline"]["speedup"] == 1.0
     assert by_mode["chain-k3"]["acceptance_length"] >= 1.0
     assert set(report["cost_model"]["forward_ratio"]) >= {"1", "2", "4"}
-    assert {b["mode"] for b in report["dataset_throughput"]} >= {"batch-b1", "batch-b2"}
+    assert {b["mode"] for b in report["dataset_throughput"]} >= {"batch-b1", "batch-b2", "batch-b2-chain-k3",
+                                                                 "batch-b2-auto-k3"}  # what jobs decode with
     assert report["compiled_layers"] is True  # the CPU default
     assert report["rowwise_linears"] is False  # row-by-row products are a GPU default
     # Which code ran the recurrence is part of the report (float32 on the CPU:
