@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     g.add_argument("--allow-dataset-change", action="store_true", default=None,
                    help="resume a folder written from another dataset, adding this dataset's rows to it")
+    g.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill prompt prefixes that rows share (a system prompt) once, each row only its own "
+                   "suffix; speed only (default: on)")
+    g.add_argument("--prefix-min-tokens", type=int, help="the shortest shared run of tokens worth prefilling once "
+                   "(default: 256)")
+    g.add_argument("--prefix-cache-gb", type=float, help="memory for the kept prefixes, least recently used "
+                   "evicted first (default: 5%% of the machine's memory, at most 4)")
     g.add_argument("--max-error-rate", type=float, help="exit 1 when more than this share of the run's rows are "
                    "error rows (bad input, failed generations); they stay committed (default: 0.5)")
     g.add_argument("--quiet", action="store_true", default=None,

@@ -95,6 +95,11 @@ class JobConfig:
         chat_template_kwargs: Extra variables for the chat template, as
             Hugging Face's ``apply_chat_template`` takes them (for example
             ``{"enable_thinking": false}`` for Qwen3 templates).
+        prefix_sharing: Prefill prompt prefixes shared by rows once
+            (`jobs.prefixes`; speed only).
+        prefix_min_tokens: The shortest shared run worth a prefix.
+        prefix_cache_gb: The kept prefixes' memory budget (None: 5% of
+            the machine's memory, at most 4 GiB).
     """
 
     dataset: str
@@ -135,6 +140,9 @@ class JobConfig:
     max_error_rate: float = 0.5
     chat_template: str | None = None
     chat_template_kwargs: dict | None = None
+    prefix_sharing: bool = True
+    prefix_min_tokens: int = 256
+    prefix_cache_gb: float | None = None
 
     def __post_init__(self):
         for f in fields(self):  # a config file's "false" is not a boolean, 5 is not a list of stop strings
@@ -154,6 +162,9 @@ class JobConfig:
                          tau=self.tau, paths=self.paths, tree_pos2=self.tree_pos2, drafter=self.drafter)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        _positive_int("prefix_min_tokens", self.prefix_min_tokens)
+        if self.prefix_cache_gb is not None and not self.prefix_cache_gb > 0:
+            raise ConfigError(f"prefix_cache_gb must be > 0, got {self.prefix_cache_gb!r}")
         if not 0 <= self.max_error_rate <= 1:
             raise ConfigError(f"max_error_rate must be in 0..1, got {self.max_error_rate!r}")
         if self.quiet and self.verbose:

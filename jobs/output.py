@@ -60,6 +60,8 @@ QUARANTINE = "quarantine"
 VIEWS = (MANIFEST, "state.json", "dataset_info.json")
 SHARD_PATTERN = re.compile(r"^data-(?P<writer>r\d{3})-(?P<seq>\d{5})\.arrow$")
 LEDGER_PATTERN = re.compile(r"^ledger-(?P<writer>r\d{3})\.jsonl$")
+PROGRESS_PATTERN = re.compile(r"^progress-(?P<writer>r\d{3})\.json$")
+"""Each writer's live status file (`jobs.progress`)."""
 OWN_FILES = (*VIEWS, EMPTY_SHARD, ".lock", ".views.lock", QUARANTINE)
 """Names a job writes besides shards and ledgers (a folder holding only
 these and no manifest is an interrupted first run)."""
@@ -94,6 +96,11 @@ _retry_io = retry(
 
 def writer_name(rank: int) -> str:
     return f"r{rank:03d}"
+
+
+def progress_path(folder: Path, writer: str) -> Path:
+    """A writer's live status file."""
+    return folder / f"progress-{writer}.json"
 
 
 def shard_name(writer: str, seq: int) -> str:
@@ -372,7 +379,8 @@ class OutputFolder:
         if not path.exists():
             foreign = [p.name for p in self.path.iterdir()
                        if not p.name.startswith(".") and p.name not in OWN_FILES
-                       and not SHARD_PATTERN.match(p.name) and not LEDGER_PATTERN.match(p.name)]
+                       and not any(pattern.match(p.name) for pattern in (SHARD_PATTERN, LEDGER_PATTERN,
+                                                                          PROGRESS_PATTERN))]
             if foreign and not overwrite:
                 raise OutputError(f"output folder {self.path} is not empty ({foreign[0]}, ...) and holds no "
                                   f"{MANIFEST}; choose an empty or new folder")

@@ -60,6 +60,7 @@ class Progress:
         self.eta_after = max(1, eta_after)
         self._last_status = 0.0
         self._since = time.time()
+        self._reports: dict = {}
         self._write_status("running")
         if self.stream.isatty() and not prefix and not quiet:
             from tqdm import tqdm
@@ -109,9 +110,14 @@ class Progress:
 
     def eta_s(self) -> float | None:
         """Seconds left at this run's pace, once it has finished `eta_after` rows."""
-        if not self.total or self._rows_this_run < min(self.eta_after, self.total - self.done + self._rows_this_run):
+        if not self.total:
             return None
-        return (self.total - self.done) * (time.perf_counter() - self.started) / self._rows_this_run
+        left = self.total - self.done
+        if left <= 0:
+            return 0.0
+        if self._rows_this_run < min(self.eta_after, left + self._rows_this_run):
+            return None
+        return left * (time.perf_counter() - self.started) / self._rows_this_run
 
     def _write_status(self, state: str) -> None:
         """Rewrite the live status file (advisory: never fsynced, and a
@@ -123,7 +129,7 @@ class Progress:
                 "updated": time.time(), "done": self.done, "total": self.total, "prompts": self.prompts,
                 "errors": self.errors, "tokens": self.tokens, "tokens_per_s": round(self.tokens / elapsed, 1),
                 "acceptance_length": round((self.accepted + self.steps) / self.steps, 3) if self.steps else None,
-                "eta_s": self.eta_s(), "line": self.line()}
+                "eta_s": self.eta_s(), "line": self.line(), **self._reports}
         tmp = self.status_file.with_name(f".tmp-{self.status_file.name}")
         try:
             with open_plain(tmp, "wb") as f:
@@ -131,6 +137,11 @@ class Progress:
             os.replace(tmp, self.status_file)
         except OSError:
             pass
+
+    def report(self, name: str, value) -> None:
+        """Keep ``value`` in the status file under ``name`` (figures of the
+        run that `jobs status` shows, e.g. the prefix cache's)."""
+        self._reports[name] = value
 
     def info(self, message: str) -> None:
         """A line that ``quiet`` leaves out (what the job is, how it goes)."""

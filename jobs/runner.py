@@ -40,10 +40,12 @@ from jobs.output import (
     checked_entries,
     folder_schema_version,
     ledgers,
+    progress_path,
     read_all_ledgers,
     read_manifest,
     writer_name,
 )
+from jobs.prefixes import PrefixCache, default_budget_bytes
 from jobs.progress import Progress
 from jobs.prompts import Preparer, Request, RowError, TemplateStuck, completion_seed, raw_id
 from jobs.readers import PromptSource
@@ -344,10 +346,6 @@ def _os_error_message(e: OSError, out: OutputFolder) -> str:
     return f"cannot write to {out.path}: {what}{where}{'; ' + hint if hint else ''}. {kept}"
 
 
-PROGRESS_PREFIX = "progress-"
-"""The live status files: ``progress-<writer>.json`` (`jobs.progress`)."""
-
-
 def _run(config, engine, source, scan, out, ranks, stream, log, version) -> JobSummary:
     rank, world = ranks.rank, ranks.world
     progress_log = lambda m: progress.log(m)  # noqa: E731  (progress is made below)
@@ -361,7 +359,7 @@ def _run(config, engine, source, scan, out, ranks, stream, log, version) -> JobS
         stream=stream,
         prefix=f"[rank {rank}/{world}] " if world > 1 else "",
         quiet=config.quiet,
-        status_file=out.path / f"{PROGRESS_PREFIX}{writer_name(rank)}.json",
+        status_file=progress_path(out.path, writer_name(rank)),
         eta_after=config.batch_size,
     )
     progress.info(
@@ -391,7 +389,8 @@ def _run(config, engine, source, scan, out, ranks, stream, log, version) -> JobS
         stuck: list[TemplateStuck] = []
         work = _work(source, config, preparer, out.done, rank, world, stop, stuck)
         try:
-            _decode(engine, config, work, finish, stop, log=progress.log, info=progress.info, warmed=buffer.warmed)
+            _decode(engine, config, work, finish, stop, log=progress.log, info=progress.info, warmed=buffer.warmed,
+                report=progress.report)
             buffer.flush()
         except BaseException:
             progress.close("failed")
@@ -554,13 +553,18 @@ def _alone(engine, config, item: Work, finish, attempts: int = 2) -> None:
         _finish_result(finish, req, sample, None, failure)
 
 
-def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lambda seconds: None) -> None:
+def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lambda seconds: None,
+            report=lambda name, value: None) -> None:
     """Rows decoded ``batch_size`` at once (`mtp_engine.decoder`): as one
     finishes, the next joins; a prompt's completions share its prefill. If
     a whole batch fails, its rows are redone in batches of their own, and
     after `BATCH_FAILURES_BEFORE_FALLBACK` such failures in a row every
     prompt is."""
     decoder = Decoder(engine, config.decode_config())
+    prefixes = None
+    if config.prefix_sharing:
+        budget = int(config.prefix_cache_gb * 2**30) if config.prefix_cache_gb else default_budget_bytes()
+        prefixes = PrefixCache(engine, config.prefix_min_tokens, budget, log=log or (lambda m: None))
     if config.warm_up or (config.warm_up is None and mx.default_device() != mx.cpu):
         sampling = config.sampling()
         seconds, shapes = decoder.warm_up(sampling if sampling.greedy else replace(sampling, seed=0))
@@ -606,8 +610,9 @@ def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lamb
                 continue
             req = item.request
             try:
+                prefix = prefixes.find(req.prompt_ids) if prefixes is not None else None
                 decoder.add(req.id, req.prompt_ids, [req.sample_params(j) for j in item.samples],
-                            max_tokens=req.max_tokens, stop=list(req.stop) or None)
+                            max_tokens=req.max_tokens, stop=list(req.stop) or None, prefix=prefix)
             except Exception:  # the row alone names what is wrong with it
                 _alone(engine, config, item, finish)
                 continue
@@ -618,6 +623,10 @@ def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lamb
             decoder.drop_all()  # rows in flight are redone on resume
         if decoder.controller is not None and info is not None:
             info(decoder.controller.describe())
+        if prefixes is not None and prefixes.made:
+            if info is not None:
+                info(prefixes.describe())
+            report("prefixes", prefixes.summary())
     finally:
         decoder.close()
 

@@ -13,7 +13,7 @@ import orjson
 
 from jobs.ledger import Totals
 from jobs.lock import FolderLock
-from jobs.output import REPEATED_LINE, OutputError, checked_entries, ledgers, read_manifest
+from jobs.output import PROGRESS_PATTERN, REPEATED_LINE, OutputError, checked_entries, ledgers, read_manifest
 
 
 def folder_state(folder: Path, verify: bool) -> tuple[dict, Totals, list[str]]:
@@ -47,7 +47,7 @@ def run_lines(folder: Path) -> list[str]:
     running now (the folder's lock is held), or how and when it ended."""
     held = FolderLock(folder).is_held()
     lines = []
-    for path in sorted(folder.glob("progress-*.json")):
+    for path in sorted(p for p in folder.iterdir() if PROGRESS_PATTERN.match(p.name)):
         try:
             data = orjson.loads(path.read_bytes())
         except (OSError, orjson.JSONDecodeError):
@@ -62,6 +62,11 @@ def run_lines(folder: Path) -> list[str]:
             lines.append(f"last run:  stopped at {when} without finishing ({who} is gone): {data.get('line')}")
         else:
             lines.append(f"last run:  {data.get('state')} at {when} ({who}): {data.get('line')}")
+        p = data.get("prefixes")
+        if isinstance(p, dict):
+            lines.append(f"prefixes:  {p.get('rows')} rows started from a shared prefix, {p.get('tokens_saved')} "
+                         f"prompt tokens not prefilled ({p.get('prefilled')} prefixes prefilled, cache peak "
+                         f"{(p.get('peak_bytes') or 0) / 2**20:.1f} MiB)")
     return lines
 
 

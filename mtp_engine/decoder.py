@@ -48,6 +48,7 @@ from mtp_engine.cache.batch import BatchKVCache, append_row, filter_rows, make_b
 from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.controller import Controller, RowAcceptance
 from mtp_engine.modes import CHAINS, DecodeConfig
+from mtp_engine.prefix import PrefixState, copy_caches
 from mtp_engine.sampling import SamplingParams, apply_penalties, choose
 from mtp_engine.stopping import Finisher, stop_list
 from mtp_engine.verify import verify
@@ -95,6 +96,7 @@ class _Queued:
     stop: list[str]
     samples: list[SamplingParams]
     trace: bool
+    prefix: PrefixState | None = None
 
 
 def top_logits(logits: mx.array, k: int = 4) -> list[list[tuple[int, float]]]:
@@ -150,9 +152,11 @@ class Decoder:
         return sum(not r.ghost for r in self.rows)
 
     def add(self, key: Hashable, prompt: str | list[int], samples: list[SamplingParams], *, max_tokens: int = 256,
-            stop: str | list[str] | None = None, trace: bool = False) -> None:
+            stop: str | list[str] | None = None, trace: bool = False, prefix: PrefixState | None = None) -> None:
         """Queue a prompt: one row per sample, keyed ``(key, j)``, all
-        sharing one prefill. Raises the errors of `MTPEngine.generate`."""
+        sharing one prefill (of the tokens after ``prefix``, a
+        `mtp_engine.prefix.PrefixState` the prompt continues, where given).
+        Raises the errors of `MTPEngine.generate`."""
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         if not samples or not all(isinstance(p, SamplingParams) for p in samples):
@@ -166,8 +170,10 @@ class Decoder:
             engine.pick_drafter(self.decode.mode, self.decode.drafter, all(p.greedy for p in samples))
         elif self.k and self.drafter.name in GREEDY_ONLY and not all(p.greedy for p in samples):
             raise ValueError(f"the {self.drafter.name} drafter drafts greedily; sampled rows need the MLX head")
+        if prefix is not None and not prefix.continues(ids):
+            raise ValueError(f"the prompt ({len(ids)} tokens) does not continue the prefix's {len(prefix)} tokens")
         self.queue.append(_Queued(key, ids, min(max_tokens, engine.context_length - len(ids)), stops,
-                                  list(samples), trace))
+                                  list(samples), trace, prefix))
 
     def warm_up(self, sampling: SamplingParams) -> tuple[float, int]:
         """Meet, before the first row, every step shape this decoder takes:
@@ -409,8 +415,13 @@ class Decoder:
         engine = self.engine
         self.hooks.lap(None)
         t0 = time.perf_counter()
-        caches = make_main_cache(engine.model)
-        hidden, logits = engine.prefill(q.prompt, caches, keep_hidden=self.k > 0)
+        if q.prefix is None:
+            caches = make_main_cache(engine.model)
+            hidden, logits = engine.prefill(q.prompt, caches, keep_hidden=self.k > 0)
+        else:  # the prefix's caches, copied, then the row's own tokens
+            caches = copy_caches(q.prefix.caches)
+            hidden, logits = engine.prefill(q.prompt[len(q.prefix):], caches, keep_hidden=self.k > 0)
+            hidden = mx.concatenate([q.prefix.hidden, hidden], axis=1) if self.k else None
         self.hooks.lap("prefill")
         prefill_s = (time.perf_counter() - t0) / len(q.samples)
         firsts = choose(mx.concatenate([logits] * len(q.samples)), q.samples,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.decoder import Decoder
 from mtp_engine.drafters.select import DrafterParts, build_drafters, make_drafter, pick
 from mtp_engine.kernels import cpu_blas
@@ -26,6 +27,7 @@ from mtp_engine.model.loader import LoadedCheckpoint, load_checkpoint
 from mtp_engine.modes import FIELDS as DECODE_FIELDS
 from mtp_engine.modes import DecodeConfig
 from mtp_engine.options import EngineOptions, FastPathStatus
+from mtp_engine.prefix import PrefixState, cache_bytes
 from mtp_engine.backend import apply_process_settings, attention_status
 from mtp_engine.sampling import FIELDS as SAMPLING_FIELDS
 from mtp_engine.sampling import SamplingParams, make_sampling
@@ -130,6 +132,21 @@ class MTPEngine:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens; the model's context is {self.context_length}")
         return ids
 
+    def prefill_prefix(self, prefix: str | list[int]) -> PrefixState:
+        """Prefill a prompt prefix once (a system prompt, a few-shot block)
+        for many prompts that start with it: pass the result as ``prefix=``
+        to `generate`, `generate_samples` or `generate_batch`, and each such
+        prompt prefills only the tokens after it (`mtp_engine.prefix`).
+
+        Raises:
+            ValueError: An empty prefix, or one that leaves no context.
+        """
+        ids = self.check_prompt(self.encode(prefix))
+        caches = make_main_cache(self.model)
+        hidden, _ = self.prefill(ids, caches, keep_hidden=True)
+        mx.eval([c.state for c in caches])
+        return PrefixState(tuple(ids), caches, hidden, cache_bytes(caches) + hidden.nbytes)
+
     # -- generation ------------------------------------------------------------
 
     def pick_drafter(self, mode: str, choice: str = "auto", greedy: bool = True) -> str:
@@ -156,7 +173,8 @@ class MTPEngine:
 
     def generate(self, prompt: str | list[int], *, decode: DecodeConfig | None = None,
                  sampling: SamplingParams | None = None, max_tokens: int = 256,
-                 stop: str | list[str] | None = None, trace: bool = False, **shortcuts) -> GenerationResult:
+                 stop: str | list[str] | None = None, trace: bool = False, prefix: PrefixState | None = None,
+                 **shortcuts) -> GenerationResult:
         """Decode one prompt: greedily, or sampling (`mtp_engine.sampling`).
 
         Args:
@@ -168,6 +186,8 @@ class MTPEngine:
             max_tokens: Most tokens to generate.
             stop: Stop string(s); the text is cut before the first one.
             trace: Record every verify step in ``result.trace``.
+            prefix: A `prefill_prefix` result the prompt starts with: only
+                the tokens after it are prefilled.
             **shortcuts: Fields of either config, e.g. ``mode="tree"``,
                 ``temperature=0.8, seed=7``.
 
@@ -180,13 +200,13 @@ class MTPEngine:
         """
         decode, values = self.configs(decode, sampling, **shortcuts)
         (_, result), = self._decode([prompt], replace(decode, batch_size=1), [[make_sampling(**values)]],
-                                    [max_tokens], stop, trace)
+                                    [max_tokens], stop, trace, prefix, strict=True)
         return result
 
     def generate_samples(self, prompt: str | list[int], *, seeds: list[int | None],
                          decode: DecodeConfig | None = None, sampling: SamplingParams | None = None,
                          max_tokens: int = 256, stop: str | list[str] | None = None, trace: bool = False,
-                         **shortcuts) -> list[GenerationResult]:
+                         prefix: PrefixState | None = None, **shortcuts) -> list[GenerationResult]:
         """Several completions of one prompt, one per seed, decoded together
         as rows sharing one prefill. Each result equals `generate` with that
         seed. Arguments as `generate`."""
@@ -194,13 +214,14 @@ class MTPEngine:
             raise ValueError(f"seeds must be a non-empty list, got {seeds!r}")
         decode, values = self.configs(decode, sampling, **shortcuts)
         samples = [make_sampling(**{**values, "seed": seed}) for seed in seeds]
-        rows = self._decode([prompt], replace(decode, batch_size=len(samples)), [samples], [max_tokens], stop, trace)
+        rows = self._decode([prompt], replace(decode, batch_size=len(samples)), [samples], [max_tokens], stop, trace,
+                            prefix, strict=True)
         return [result for _, result in sorted(rows, key=lambda row: row[0])]
 
     def generate_batch_iter(self, prompts: list[str | list[int]], *, decode: DecodeConfig | None = None,
                             sampling: SamplingParams | None = None, max_tokens: int | list[int] = 256,
                             stop: str | list[str] | None = None, seed: int | list[int | None] | None = None,
-                            **shortcuts) -> Iterator[tuple[int, GenerationResult]]:
+                            prefix: PrefixState | None = None, **shortcuts) -> Iterator[tuple[int, GenerationResult]]:
         """Decode many prompts, ``decode.batch_size`` rows at a time
         (`mtp_engine.decoder`), yielding ``(index, result)`` as rows finish.
 
@@ -211,6 +232,8 @@ class MTPEngine:
                 ``i`` then samples with seed ``seed + i``), or None (fresh
                 random seeds). Each prompt's tokens equal `generate`'s with
                 its seed, whatever the batch holds (exact sampler).
+            prefix: A `prefill_prefix` result: the prompts that start with
+                it prefill only the tokens after it (the others all theirs).
             decode, sampling, stop, **shortcuts: As `generate`.
 
         Raises:
@@ -226,7 +249,7 @@ class MTPEngine:
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         decode, values = self.configs(decode, sampling, **shortcuts)
         samples = [[make_sampling(**{**values, "seed": s})] for s in seeds]
-        for (i, _), result in self._decode(prompts, decode, samples, budgets, stop, False):
+        for (i, _), result in self._decode(prompts, decode, samples, budgets, stop, False, prefix):
             yield i, result
 
     def generate_batch(self, prompts: list[str | list[int]], **kwargs) -> list[GenerationResult]:
@@ -237,11 +260,22 @@ class MTPEngine:
         return results
 
     def _decode(self, prompts, decode: DecodeConfig, samples: list[list[SamplingParams]], budgets: list[int],
-                stop, trace: bool) -> Iterator[tuple[tuple[int, int], GenerationResult]]:
-        """``((prompt, sample), result)`` as rows finish, one decoder for all."""
+                stop, trace: bool, prefix: PrefixState | None = None,
+                strict: bool = False) -> Iterator[tuple[tuple[int, int], GenerationResult]]:
+        """``((prompt, sample), result)`` as rows finish, one decoder for all;
+        ``prefix`` serves the prompts that continue it (``strict``: every
+        prompt must)."""
         decoder = Decoder(self, decode)
         for i, (prompt, params, budget) in enumerate(zip(prompts, samples, budgets)):
-            decoder.add(i, prompt, params, max_tokens=budget, stop=stop, trace=trace)
+            start = None
+            if prefix is not None:
+                ids = self.encode(prompt)
+                if prefix.continues(ids):
+                    start = prefix
+                elif strict:
+                    raise ValueError(f"the prompt ({len(ids)} tokens) does not start with the prefix's "
+                                     f"{len(prefix)} tokens and go on past them")
+            decoder.add(i, prompt, params, max_tokens=budget, stop=stop, trace=trace, prefix=start)
         try:
             while decoder.pending:
                 yield from decoder.step()

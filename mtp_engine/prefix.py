@@ -1,0 +1,82 @@
+"""Shared prefixes prefilled once.
+
+A `PrefixState` holds what a prompt's first ``L`` tokens leave behind: the
+trunk's caches after them (attention keys and values, and each gated-delta
+layer's conv window and recurrent state at exactly that boundary: the
+recurrent state cannot be trimmed, so a prefix is reusable only for prompts
+that continue it token for token) and the trunk's hiddens over them, which
+the MTP head consumes with the row's own tokens when the row joins. A row
+whose prompt starts with the prefix prefills only its suffix, into a copy
+of the caches (`copy_caches`); the prefix's own caches are never written.
+
+The prefix is prefilled as a prompt of its own (chunks, its last token
+alone), so a row's prefill is split at the prefix's end: a boundary plain
+prefill does not have. Float arithmetic may round the two splits
+differently; outputs stay those of plain decoding up to numerical near-ties
+(tests/mtp_engine/test_prefix.py shows the first divergence, where any,
+sits on one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from mtp_engine.cache.capture import StateCaptureCache
+
+
+@dataclass(frozen=True)
+class PrefixState:
+    """The trunk's state after a prompt prefix (`MTPEngine.prefill_prefix`).
+
+    Attributes:
+        tokens: The prefix's token ids.
+        caches: The trunk's caches after them (never written after this).
+        hidden: The trunk's final-normed hiddens over them, ``[1, L, dim]``.
+        nbytes: Bytes held by the caches and hiddens.
+    """
+
+    tokens: tuple[int, ...]
+    caches: list
+    hidden: mx.array
+    nbytes: int
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def continues(self, ids: list[int]) -> bool:
+        """Whether a prompt starts with this prefix and goes on past it (a
+        row prefills at least one token of its own)."""
+        n = len(self.tokens)
+        return len(ids) > n and tuple(ids[:n]) == self.tokens
+
+
+def copy_caches(caches: list) -> list:
+    """New cache objects holding the same states, for a row to prefill on:
+    writes to the copies never reach the originals (attention caches get
+    their own arrays, recurrent caches their own lists)."""
+    out = []
+    for c in caches:
+        if isinstance(c, StateCaptureCache):
+            n = StateCaptureCache(len(c.cache))
+            n.cache = list(c.cache)
+            n.left_padding, n.lengths = c.left_padding, c.lengths
+        elif isinstance(c, KVCache):
+            n = type(c)()
+            if c.keys is not None:
+                n.keys, n.values = mx.array(c.keys[..., : c.offset, :]), mx.array(c.values[..., : c.offset, :])
+            n.offset = c.offset
+        else:
+            raise TypeError(f"cannot copy a cache of type {type(c).__name__}")
+        out.append(n)
+    return out
+
+
+def cache_bytes(caches: list) -> int:
+    total = 0
+    for c in caches:
+        arrays = c.cache if isinstance(c, StateCaptureCache) else [c.keys, c.values]
+        total += sum(a.nbytes for a in arrays if a is not None)
+    return total
