@@ -33,19 +33,29 @@ from mtp_engine import MTPEngine
 from mtp_engine.modes import MODES
 
 
-def mode_spec(text: str) -> tuple[str, int | None]:
-    """``MODE`` or ``MODE:K`` (K drafts, or at most K under auto)."""
-    name, _, k = text.partition(":")
+def mode_spec(text: str) -> tuple[str, int | None, dict]:
+    """``MODE``, ``MODE:K`` (K drafts, or at most K under auto), then any
+    ``,SETTING=VALUE`` of the job (``baseline,prefix_sharing=false``)."""
+    head, *settings = text.split(",")
+    name, _, k = head.partition(":")
     if name not in MODES or (k and not k.isdigit()):
-        raise argparse.ArgumentTypeError(f"a mode is one of {', '.join(MODES)}, optionally ':K'; got {text!r}")
-    return name, int(k) if k else None
+        raise argparse.ArgumentTypeError(f"a mode is one of {', '.join(MODES)}, optionally ':K' and ',SETTING=VALUE'; "
+                                         f"got {text!r}")
+    overrides = {}
+    for setting in settings:
+        key, sep, value = setting.partition("=")
+        if not sep or key not in JobConfig.__dataclass_fields__:
+            raise argparse.ArgumentTypeError(f"{setting!r} in {text!r} is not SETTING=VALUE of a job setting")
+        overrides[key] = orjson.loads(value) if value not in ("", "none") else None
+    return name, int(k) if k else None, overrides
 
 
 def run_once(engine, dataset: str, model: str, output: Path, mode: str, temperature: float, args) -> dict:
-    name, k = mode_spec(mode)
-    config = JobConfig(dataset=dataset, model=model, output=str(output), mode=name, max_tokens=args.max_tokens,
-                       batch_size=args.batch_size, draft_tokens=k or args.draft_tokens, limit=args.limit,
-                       temperature=temperature, seed=args.seed)
+    name, k, overrides = mode_spec(mode)
+    config = JobConfig(**{**dict(dataset=dataset, model=model, output=str(output), mode=name,
+                                 max_tokens=args.max_tokens, batch_size=args.batch_size,
+                                 draft_tokens=k or args.draft_tokens, limit=args.limit, temperature=temperature,
+                                 seed=args.seed), **overrides})
     log = io.StringIO()
     start = time.perf_counter()
     summary = run_job(config, engine=engine, stream=log)
@@ -60,6 +70,7 @@ def run_once(engine, dataset: str, model: str, output: Path, mode: str, temperat
     return {"mode": mode, "temperature": temperature, "wall_s": round(wall, 3), "tokens": summary.tokens, "rows": summary.committed,
             "tok_s": round(summary.tokens / wall, 1), "warmup_s": round(totals.warmup_s, 3),
             "controller": next((line for line in lines if line.startswith("auto:")), None),
+            "prefixes": next((line for line in lines if line.startswith("prefixes:")), None),
             "completions": {r["id"]: r["completion"] for r in rows}, "depths": depths if name == "auto" else None}
 
 
@@ -68,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dataset", default="examples/prompts.jsonl")
     p.add_argument("--model", default="models/qwen3-next-tiny-stdlib")
     p.add_argument("--modes", nargs="+", default=["baseline", "auto"], type=lambda t: mode_spec(t) and t,
-                   help="MODE or MODE:K (K drafts; at most K under auto); the first is the reference of ratios "
-                        "and completions")
+                   help="MODE or MODE:K (K drafts; at most K under auto), then any ,SETTING=VALUE of the job "
+                        "(e.g. baseline,prefix_sharing=false); the first is the reference of ratios and completions")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--limit", type=int)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -93,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"T={temperature} round {r + 1}/{args.rounds} {mode}: {run['tok_s']} tok/s "
                           f"({run['tokens']} tokens, {run['wall_s']} s"
                           + (f", warm-up {run['warmup_s']} s" if run["warmup_s"] else "") + ")"
-                          + (f"\n  {run['controller']}" if run["controller"] else ""), file=sys.stderr, flush=True)
+                          + (f"\n  {run['controller']}" if run["controller"] else "")
+                          + (f"\n  {run['prefixes']}" if run["prefixes"] else ""), file=sys.stderr, flush=True)
     summary = []
     for temperature in args.temperatures:
         here = [run for run in runs if run["temperature"] == temperature]

@@ -3,10 +3,10 @@ few-shot block, a chat template's header repeated on every row).
 
 The runner sees rows one after another. For each row, `PrefixCache.find`
 returns the longest kept prefix its prompt continues; failing that, it
-compares the prompt with the last `WINDOW` prompts, and where they share at
-least ``min_tokens`` tokens it prefills the shortest such shared run (the
-part most rows have in common) once (`MTPEngine.prefill_prefix`) and keeps
-it. A row served by a prefix prefills only its own suffix, from a copy of
+compares the prompt with the last `WINDOW` prompts, and where `AGREE` of
+them share at least ``min_tokens`` tokens with it, it prefills the shortest
+such shared run (the part they all have in common) once
+(`MTPEngine.prefill_prefix`) and keeps it. A row served by a prefix prefills only its own suffix, from a copy of
 the prefix's caches (`mtp_engine.prefix`). Kept prefixes live within a byte
 budget, the least recently used evicted first; one over the whole budget is
 not kept, with a note. A resumed job rebuilds what it needs the same way;
@@ -21,6 +21,10 @@ from collections import OrderedDict, deque
 
 WINDOW = 32
 """Recent prompts a new one is compared with."""
+AGREE = 2
+"""Recent prompts that must share a run with a new one before it becomes a
+prefix: the run three prompts share is the common part (a system prompt),
+rarely more (two prompts may also share their suffixes' first words)."""
 
 
 def default_budget_bytes() -> int:
@@ -77,7 +81,9 @@ class PrefixCache:
             return best
         shared = [n for n in (_shared(ids, r) for r in self.recent) if n >= self.min_tokens]
         self.recent.append(ids)
-        n = min(min(shared, default=0), len(ids) - 1)
+        if len(shared) < AGREE:
+            return None
+        n = min(min(shared), len(ids) - 1)
         if n < self.min_tokens:
             return None
         state = self.engine.prefill_prefix(ids[:n])

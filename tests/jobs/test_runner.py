@@ -431,3 +431,38 @@ def test_a_chat_template_file_and_template_variables_render_chat_rows(tmp_path, 
     with pytest.raises(ConfigError, match="chat_template '.*absent.jinja' cannot be read"):
         run_job(job_config(dataset, job_model, tmp_path / "o2", chat_template=str(tmp_path / "absent.jinja")),
                 engine=job_engine, stream=io.StringIO())
+
+
+def completions(folder) -> dict:
+    return {rid: (r["completion"], r["finish_reason"]) for rid, r in load_rows(folder).items()}
+
+
+def test_rows_sharing_a_system_prompt_prefill_it_once_and_write_the_same_rows(tmp_path, job_model, job_engine,
+                                                                               capsys):
+    """Rows of two system prompts (chat rows and plain prompts): with prefix
+    sharing the job writes the rows it writes without, in plain batching and
+    batched speculation; the log and status say how many rows a prefix
+    served; a budget too small for one prefix is a note, not an error; a
+    resumed job rebuilds its prefixes."""
+    from jobs.prefix_data import make_rows
+
+    rows = make_rows(40, 120, (4, 12), prefixes=2, seed=3)
+    rows += [{"id": f"chat-{i}", "messages": [{"role": "system", "content": rows[0]["prompt"].split("\n\n")[0]},
+                                              {"role": "user", "content": f"question {i}"}]} for i in range(8)]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    common = dict(max_tokens=6, rows_per_shard=4, prefix_min_tokens=64)
+    for mode in ("baseline", "chain"):
+        off = tmp_path / f"off-{mode}"
+        run_job(job_config(dataset, job_model, off, mode=mode, prefix_sharing=False, **common), engine=job_engine,
+                stream=io.StringIO())
+        on, log = tmp_path / f"on-{mode}", io.StringIO()
+        run_job(job_config(dataset, job_model, on, mode=mode, limit=10, **common), engine=job_engine, stream=log)
+        run_job(job_config(dataset, job_model, on, mode=mode, **common), engine=job_engine, stream=log)  # resumed
+        assert completions(on) == completions(off)
+        served = [int(line.split()[1]) for line in log.getvalue().splitlines() if line.startswith("prefixes: ")]
+        assert len(served) == 2 and served[1] >= 25, log.getvalue()  # of 38 rows in three groups
+        print_status(on)
+        assert "prefixes:  " in capsys.readouterr().out
+    tiny, log = tmp_path / "tiny-budget", io.StringIO()
+    run_job(job_config(dataset, job_model, tiny, prefix_cache_gb=1e-6, **common), engine=job_engine, stream=log)
+    assert log.getvalue().count("over the prefix cache's") == 1 and completions(tiny) == completions(off)
