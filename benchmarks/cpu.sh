@@ -16,10 +16,12 @@
 #   bash benchmarks/cpu.sh job        # the job end to end (python -m jobs.bench) over all of examples/prompts.jsonl at
 #                                     # B=32: plain batching, auto, batched chain K=2; greedy, T=0.7 and 1.0 (~20 min)
 #                                     # -> results/cpu-job.json
+#   bash benchmarks/cpu.sh prefix     # a job of 256 rows sharing a 512-token system prompt (python -m jobs.prefix_data),
+#                                     # 128 new tokens, B=32, prefix sharing off and on (~7 min) -> results/cpu-prefix.json
 set -euo pipefail
 py=${PY:-.venv/bin/python}
 results=benchmarks/results
-case "${1:?bench, lossless, dataset, dataset-full, sampling, quantized or job}" in
+case "${1:?bench, lossless, dataset, dataset-full, sampling, quantized, job or prefix}" in
   bench)
     $py -m mtp_engine.bench --json "$results/cpu-bench.json" ;;
   lossless)
@@ -47,5 +49,10 @@ case "${1:?bench, lossless, dataset, dataset-full, sampling, quantized or job}" 
   job)
     $py -m jobs.bench --dataset examples/prompts.jsonl --modes baseline auto chain:2 --rounds 2 --max-tokens 128 \
       --batch-size 32 --draft-tokens 3 --temperatures 0 0.7 1.0 --json "$results/cpu-job.json" ;;
+  prefix)
+    $py -m jobs.prefix_data --rows 256 --prefix-tokens 512 --suffix-tokens 32 64 \
+      --model models/qwen3-next-tiny-stdlib --output /tmp/prefix-256.jsonl
+    $py -m jobs.bench --dataset /tmp/prefix-256.jsonl --modes baseline,prefix_sharing=false baseline --rounds 2 \
+      --max-tokens 128 --batch-size 32 --json "$results/cpu-prefix.json" ;;
   *) echo "unknown suite $1" >&2; exit 2 ;;
 esac
