@@ -100,6 +100,9 @@ class JobConfig:
         prefix_min_tokens: The shortest shared run worth a prefix.
         prefix_cache_gb: The kept prefixes' memory budget (None: 5% of
             the machine's memory, at most 4 GiB).
+        keep_columns: Input columns every output row carries (as text):
+            None keeps each one whose name no output column has; a tuple
+            names them (empty: none).
     """
 
     dataset: str
@@ -143,6 +146,7 @@ class JobConfig:
     prefix_sharing: bool = True
     prefix_min_tokens: int = 256
     prefix_cache_gb: float | None = None
+    keep_columns: tuple[str, ...] | None = None
 
     def __post_init__(self):
         for f in fields(self):  # a config file's "false" is not a boolean, 5 is not a list of stop strings
@@ -183,6 +187,14 @@ class JobConfig:
             raise ConfigError(f"stop must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "fast_paths", _fast_path_pairs(self.fast_paths))
+        if isinstance(self.keep_columns, str):  # the flag's form: all, none, or NAME,NAME
+            text = self.keep_columns.strip()
+            names = None if text == "all" else () if text in ("", "none") else tuple(n.strip() for n in text.split(","))
+            object.__setattr__(self, "keep_columns", names)
+        elif self.keep_columns is not None:
+            object.__setattr__(self, "keep_columns", tuple(self.keep_columns))
+        if self.keep_columns is not None and not all(isinstance(n, str) and n for n in self.keep_columns):
+            raise ConfigError(f"keep_columns must be column names, got {self.keep_columns!r}")
         try:
             self.sampling()
         except ValueError as e:
@@ -388,14 +400,17 @@ def model_identity(model_dir: str | Path) -> dict:
 
 
 def fingerprint_parts(config: JobConfig, model_id: dict, chat_template: str | None,
-                      schema_version: int = SCHEMA_VERSION) -> dict:
+                      schema_version: int = SCHEMA_VERSION, kept_columns: list[str] | tuple = ()) -> dict:
     template_sha = hashlib.sha256((chat_template or "").encode()).hexdigest()[:16]
-    return {
+    parts = {
         "model": model_id["sha256"],
         "rendering": {**config.rendering(), "chat_template_sha256": template_sha},
         "decoding": config.decoding(schema_version),
         "schema_version": schema_version,
     }
+    if kept_columns:  # only then: folders written before columns were kept keep their fingerprint
+        parts["kept_columns"] = list(kept_columns)
+    return parts
 
 
 def fingerprint(parts: dict) -> str:

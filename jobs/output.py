@@ -52,6 +52,7 @@ from schemas.arrow import (
     completion_schema,
     dataset_features_dict,
     rows_to_batch,
+    with_kept_columns,
 )
 
 MANIFEST = "manifest.json"
@@ -211,6 +212,12 @@ def read_manifest(folder: Path) -> dict:
     return manifest
 
 
+def folder_schema(manifest: dict) -> pa.Schema:
+    """The Arrow schema of a folder's shards: its output schema version's,
+    plus the input columns it keeps."""
+    return with_kept_columns(completion_schema(manifest.get("schema_version", 1)), manifest.get("kept_columns", []))
+
+
 def folder_schema_version(folder: Path) -> int | None:
     """The output schema version of the results in a folder (its
     manifest's), or None for a new folder or an unreadable manifest."""
@@ -343,7 +350,7 @@ class OutputFolder:
         try:
             old = self._existing_manifest(manifest, overwrite)
             self._manifest = {**manifest, "created_at": old.get("created_at", time.time())}
-            self._schema = completion_schema(self._manifest.get("schema_version", 1))
+            self._schema = folder_schema(self._manifest)
             self._check_dataset(old, manifest, allow_dataset_change)
             write_atomic(self.path / MANIFEST, orjson.dumps(self._manifest, option=orjson.OPT_INDENT_2))
             self._repair_ledgers()
@@ -355,6 +362,11 @@ class OutputFolder:
             self.close()
             raise
 
+    @property
+    def manifest(self) -> dict:
+        """The manifest the folder was opened with."""
+        return self._manifest
+
     def join(self, manifest: dict, token: str) -> None:
         """Join a folder that rank 0 of the same job opened (other ranks)."""
         self._lock = FolderLock(self.path)
@@ -363,7 +375,7 @@ class OutputFolder:
         self._manifest = orjson.loads((self.path / MANIFEST).read_bytes())
         if self._manifest.get("fingerprint") != manifest["fingerprint"]:
             raise FingerprintMismatch(f"{self.path} was opened by rank 0 for another job configuration")
-        self._schema = completion_schema(self._manifest.get("schema_version", 1))
+        self._schema = folder_schema(self._manifest)
         self._start()
 
     def close(self) -> None:

@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import signal
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+import orjson
 
 from jobs import openai_batch
 from jobs.config import MAX_N, JobConfig
@@ -89,6 +91,7 @@ class Request:
     sampling: SamplingParams = SamplingParams()
     n: int = 1
     chat: bool = False
+    kept: dict = field(default_factory=dict)
 
     def seed(self, sample: int) -> int:
         """Completion ``sample``'s derived seed (`completion_seed`)."""
@@ -112,6 +115,15 @@ class RowError:
     message: str
     prompt: str | None = None
     chat: bool | None = None
+    kept: dict = field(default_factory=dict)
+
+
+def kept_value(value) -> str | None:
+    """An input column's value as the output keeps it: text as is, any other
+    value as its JSON text (a column may mix types across rows)."""
+    if value is None or isinstance(value, str):
+        return value
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
 class Preparer:
@@ -126,10 +138,11 @@ class Preparer:
         sampling_allowed: False for folders of output schema 1 (no sample
             or seed columns): rows that sample become error rows.
         log: Where notes go (OpenAI batch fields not honoured, once each).
+        keep_columns: Input columns each output row carries (`kept_value`).
     """
 
     def __init__(self, config: JobConfig, tokenizer, context_length: int, reserved_ids: set[str] = frozenset(),
-                 sampling_allowed: bool = True, log=None):
+                 sampling_allowed: bool = True, log=None, keep_columns: tuple[str, ...] = ()):
         self.config = config
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -137,6 +150,7 @@ class Preparer:
         self.seen: set[str] = set()
         self.sampling_allowed = sampling_allowed
         self.unknown = openai_batch.UnknownFields(log)
+        self.keep_columns = keep_columns
         self.rendered = 0  # chat rows rendered in time
         self.timeouts = 0
         self.template_options = dict(config.chat_template_kwargs or {})
@@ -233,7 +247,8 @@ class Preparer:
                 f"prompt has {len(ids)} tokens; the model's context is {self.context_length}",
                 prompt,
             )
-        return Request(rid, row.index, row.line, prompt, ids, max_tokens, tuple(stop), sampling, n, chat)
+        return Request(rid, row.index, row.line, prompt, ids, max_tokens, tuple(stop), sampling, n, chat,
+                       self._kept(row))
 
     def _sampling(self, data: dict) -> tuple[SamplingParams | str, int]:
         """The row's sampling and n (the job's, with the row's overrides),
@@ -279,9 +294,12 @@ class Preparer:
         self.rendered += 1
         return text
 
-    @staticmethod
-    def _error(row: SourceRow, rid: str, kind: str, message: str, prompt: str | None = None,
+    def _kept(self, row: SourceRow) -> dict:
+        data = row.data if isinstance(row.data, dict) and not openai_batch.is_request(row.data) else {}
+        return {name: kept_value(data.get(name)) for name in self.keep_columns}
+
+    def _error(self, row: SourceRow, rid: str, kind: str, message: str, prompt: str | None = None,
                chat: bool | None = None) -> RowError:
         if row.line is not None and row.data is None and "line" not in message:
             message = f"line {row.line}: {message}"
-        return RowError(rid, row.index, row.line, kind, message, prompt, chat)
+        return RowError(rid, row.index, row.line, kind, message, prompt, chat, self._kept(row))

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterator
 
 import mlx.core as mx
+import orjson
 
 from jobs.config import (
     ConfigError,
@@ -32,6 +33,7 @@ from jobs.config import (
     fingerprint_parts,
     model_identity,
 )
+from jobs import openai_batch
 from jobs.lock import FolderInUse
 from jobs.output import (
     MANIFEST,
@@ -53,7 +55,7 @@ from mtp_engine import MTPEngine
 from mtp_engine.decoder import Decoder
 from mtp_engine.model.hub import resolve_model
 from mtp_engine.model.loader import load_checkpoint_tokenizer
-from schemas.arrow import SCHEMA_VERSION, completion_row, error_row
+from schemas.arrow import COMPLETION_SCHEMA, SCHEMA_VERSION, completion_row, error_row
 
 
 @dataclass
@@ -190,8 +192,10 @@ def build_manifest(config: JobConfig, tokenizer, source: PromptSource, scan: "Da
     """The job's manifest; ``tokenizer`` (the model's) gives its chat template."""
     model_id = model_identity(config.model)
     template = config.template_text() or getattr(tokenizer, "chat_template", None)
-    parts = fingerprint_parts(config, model_id, template, schema_version)
+    kept = kept_columns(config, scan)
+    parts = fingerprint_parts(config, model_id, template, schema_version, kept)
     return {
+        "kept_columns": kept,
         "schema_version": schema_version,
         "fingerprint": fingerprint(parts),
         "fingerprint_parts": parts,
@@ -247,6 +251,39 @@ def run_job(
         raise OutputError(_os_error_message(e, out)) from None
     finally:
         out.close()
+
+
+CLASHING = frozenset(COMPLETION_SCHEMA.names)
+
+
+def kept_columns(config: JobConfig, scan: "DatasetScan") -> list[str]:
+    """The input columns the output rows carry: those named, or by default
+    every one of the scanned rows whose name no output column has (nor the
+    id and prompt fields, written as ``id`` and ``prompt``); a folder's
+    resume keeps by default what the job first kept (none for a folder an
+    older release wrote, whose manifest has no ``kept_columns``).
+
+    Raises:
+        ConfigError: A named column is in no row, or clashes.
+    """
+    path = Path(config.output) / MANIFEST
+    if not config.overwrite and path.is_file():
+        try:
+            old = orjson.loads(path.read_bytes())
+        except (OSError, orjson.JSONDecodeError):
+            old = None
+        if isinstance(old, dict) and "fingerprint" in old and config.keep_columns is None:
+            return list(old.get("kept_columns", []))  # the folder's own: a resume keeps what the job first kept
+    own = CLASHING | {config.id_field, config.prompt_field}
+    if config.keep_columns is None:
+        return [c for c in scan.columns if c not in own]
+    for name in config.keep_columns:
+        if name in own:
+            raise ConfigError(f"keep_columns: {name!r} is already an output column; the output keeps it as such")
+        if name not in scan.columns:
+            raise ConfigError(f"keep_columns: no row has a column {name!r} (the rows have: "
+                              f"{', '.join(scan.columns) or 'none'})")
+    return list(config.keep_columns)
 
 
 def _finished_already(config: JobConfig, source: PromptSource, scan: "DatasetScan", ranks: Ranks) -> JobSummary | None:
@@ -350,7 +387,8 @@ def _run(config, engine, source, scan, out, ranks, stream, log, version) -> JobS
     rank, world = ranks.rank, ranks.world
     progress_log = lambda m: progress.log(m)  # noqa: E731  (progress is made below)
     preparer = Preparer(config, engine.tokenizer, engine.context_length, reserved_ids=scan.ids,
-                        sampling_allowed=version >= 2, log=progress_log)
+                        sampling_allowed=version >= 2, log=progress_log,
+                        keep_columns=tuple(out.manifest.get("kept_columns", ())))
     buffer = _Buffer(out, config.rows_per_shard, config.commit_seconds)
     progress = Progress(
         scan.completions if world == 1 else None,
@@ -427,24 +465,28 @@ class DatasetScan:
         prompts: Its rows (prompts) up to ``--limit``.
         completions: The completions they ask for: each row's n (the job's
             unless the row sets a valid one).
+        columns: The rows' field names, in order of first appearance.
     """
 
     ids: set[str]
     prompts: int
     completions: int
+    columns: tuple[str, ...] = ()
 
 
 def scan_dataset(source: PromptSource, config: JobConfig) -> DatasetScan:
-    ids, prompts, completions = set(), 0, 0
+    ids, prompts, completions, columns = set(), 0, 0, {}
     for row in source:
         if config.limit is not None and row.index >= config.limit:
             break
+        if isinstance(row.data, dict) and not openai_batch.is_request(row.data):
+            columns.update(dict.fromkeys(row.data))
         prompts += 1
         completions += 1 if row.error is not None else _row_n_hint(row, config)  # an unreadable row: one error row
         raw = raw_id(row.data, config.id_field)
         if isinstance(raw, (str, int)) and not isinstance(raw, bool):
             ids.add(str(raw))
-    return DatasetScan(ids, prompts, completions)
+    return DatasetScan(ids, prompts, completions, tuple(columns))
 
 
 def _describe_sampling(config: JobConfig) -> str:
@@ -500,18 +542,20 @@ def _work(source, config, preparer, done, rank, world, stop, stuck: list) -> Ite
 def _error_to_row(e: RowError, job_seed: int) -> dict:
     """An input's error row; its seed is the one sample 0 would have had
     (every row carries a seed, so readers keep the column as integers)."""
-    return error_row(id=e.id, index=e.index, line=e.line, kind=e.kind, message=e.message, prompt=e.prompt,
-                     chat=e.chat, seed=completion_seed(job_seed, e.id, 0))
+    return {**error_row(id=e.id, index=e.index, line=e.line, kind=e.kind, message=e.message, prompt=e.prompt,
+                        chat=e.chat, seed=completion_seed(job_seed, e.id, 0)), **e.kept}
 
 
 def _request_result(req: Request, sample: int, result, failure: str | None) -> dict:
     if failure is not None:
-        return error_row(
+        row = error_row(
             id=req.id, index=req.index, line=req.line, kind="generation_failed", message=failure, prompt=req.prompt,
             sample=sample, n=req.n, seed=req.seed(sample), chat=req.chat,
         )
-    return completion_row(id=req.id, index=req.index, line=req.line, prompt=req.prompt, result=result,
-                          sample=sample, n=req.n, chat=req.chat, seed=req.seed(sample))
+    else:
+        row = completion_row(id=req.id, index=req.index, line=req.line, prompt=req.prompt, result=result,
+                             sample=sample, n=req.n, chat=req.chat, seed=req.seed(sample))
+    return {**row, **req.kept}
 
 
 def _finish_result(finish, req: Request, sample: int, result, failure: str | None) -> None:

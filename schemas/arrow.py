@@ -69,6 +69,12 @@ def completion_schema(version: int = SCHEMA_VERSION) -> pa.Schema:
 
 COMPLETION_SCHEMA = completion_schema()
 
+
+def with_kept_columns(schema: pa.Schema, names: list[str] | tuple[str, ...]) -> pa.Schema:
+    """``schema`` with input columns the job keeps appended, as text (a
+    non-text value is stored as its JSON text: `jobs.prompts.kept_value`)."""
+    return pa.schema(list(schema) + [pa.field(name, pa.string()) for name in names], metadata=schema.metadata)
+
 def completion_row(
     *, id: str, index: int, line: int | None, prompt: str, result: GenerationResult, sample: int = 0,
     n: int = 1, chat: bool | None = None, seed: int | None = None,

@@ -466,3 +466,26 @@ def test_rows_sharing_a_system_prompt_prefill_it_once_and_write_the_same_rows(tm
     tiny, log = tmp_path / "tiny-budget", io.StringIO()
     run_job(job_config(dataset, job_model, tiny, prefix_cache_gb=1e-6, **common), engine=job_engine, stream=log)
     assert log.getvalue().count("over the prefix cache's") == 1 and completions(tiny) == completions(off)
+
+
+def test_input_columns_are_kept_as_text_and_a_resume_keeps_the_same(tmp_path, job_model, job_engine):
+    rows = [{"id": "a", "prompt": PROMPT_TEXTS[0], "reference": "return a + b", "score": 3, "tags": ["x", "y"]},
+            {"id": "b", "messages": [{"role": "user", "content": PROMPT_TEXTS[1]}], "reference": None},
+            {"id": "c", "prompt": "", "reference": "kept on error rows too"}]
+    dataset = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out"
+    run_job(job_config(dataset, job_model, out, max_tokens=4, limit=2), engine=job_engine, stream=io.StringIO())
+    run_job(job_config(dataset, job_model, out, max_tokens=4), engine=job_engine, stream=io.StringIO())
+    got = load_rows(out)
+    assert got["a"]["reference"] == "return a + b" and got["a"]["score"] == "3" and got["a"]["tags"] == '["x","y"]'
+    assert json.loads(got["b"]["messages"]) == rows[1]["messages"] and got["a"]["messages"] is None
+    assert got["c"]["finish_reason"] == "error" and got["c"]["reference"] == "kept on error rows too"
+    assert json.loads((out / "manifest.json").read_text())["kept_columns"] == ["reference", "score", "tags", "messages"]
+    only = tmp_path / "only"
+    run_job(job_config(dataset, job_model, only, max_tokens=4, keep_columns="reference"), engine=job_engine,
+            stream=io.StringIO())
+    assert "score" not in datasets.load_from_disk(str(only)).column_names
+    with pytest.raises(FingerprintMismatch, match="kept_columns"):  # other columns: another output layout
+        run_job(job_config(dataset, job_model, only, max_tokens=4, keep_columns="none"), engine=job_engine)
+    with pytest.raises(ConfigError, match="no row has a column 'answer'"):
+        run_job(job_config(dataset, job_model, tmp_path / "x", keep_columns=["answer"]), engine=job_engine)
