@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g.add_argument("--allow-dataset-change", action="store_true", default=None,
                    help="resume a folder written from another dataset, adding this dataset's rows to it")
+    g.add_argument("--logprobs", type=int, metavar="N", help="store each generated token's log-probability and its "
+                   "N likeliest alternatives, 0..20 (default: none; rows may set logprobs)")
     g.add_argument("--keep-columns", metavar="all|none|NAME,...", help="input columns every output row carries, as "
                    "text (default: all whose names no output column has, e.g. a reference answer or messages)")
     g.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=None,

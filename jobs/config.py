@@ -100,6 +100,8 @@ class JobConfig:
         prefix_min_tokens: The shortest shared run worth a prefix.
         prefix_cache_gb: The kept prefixes' memory budget (None: 5% of
             the machine's memory, at most 4 GiB).
+        logprobs: 0..20: store each generated token's log-probability and
+            that many alternatives (None: none; rows may set their own).
         keep_columns: Input columns every output row carries (as text):
             None keeps each one whose name no output column has; a tuple
             names them (empty: none).
@@ -147,6 +149,7 @@ class JobConfig:
     prefix_min_tokens: int = 256
     prefix_cache_gb: float | None = None
     keep_columns: tuple[str, ...] | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         for f in fields(self):  # a config file's "false" is not a boolean, 5 is not a list of stop strings
@@ -171,6 +174,8 @@ class JobConfig:
             raise ConfigError(f"prefix_cache_gb must be > 0, got {self.prefix_cache_gb!r}")
         if not 0 <= self.max_error_rate <= 1:
             raise ConfigError(f"max_error_rate must be in 0..1, got {self.max_error_rate!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ConfigError(f"logprobs must be an integer in 0..20, got {self.logprobs!r}")
         if self.quiet and self.verbose:
             raise ConfigError("quiet and verbose exclude each other; choose one")
         _positive_int("max_tokens", self.max_tokens)
@@ -400,7 +405,8 @@ def model_identity(model_dir: str | Path) -> dict:
 
 
 def fingerprint_parts(config: JobConfig, model_id: dict, chat_template: str | None,
-                      schema_version: int = SCHEMA_VERSION, kept_columns: list[str] | tuple = ()) -> dict:
+                      schema_version: int = SCHEMA_VERSION, kept_columns: list[str] | tuple = (),
+                      logprob_columns: bool = False) -> dict:
     template_sha = hashlib.sha256((chat_template or "").encode()).hexdigest()[:16]
     parts = {
         "model": model_id["sha256"],
@@ -410,6 +416,8 @@ def fingerprint_parts(config: JobConfig, model_id: dict, chat_template: str | No
     }
     if kept_columns:  # only then: folders written before columns were kept keep their fingerprint
         parts["kept_columns"] = list(kept_columns)
+    if logprob_columns:
+        parts["logprobs"] = config.logprobs
     return parts
 
 

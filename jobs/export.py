@@ -66,7 +66,8 @@ def export(folder: Path, output: Path, fmt: str) -> tuple[int, str]:
             written, note = table.num_rows, "rows"
         else:
             rows = table.to_pylist()
-            lines, incomplete = batch_lines(manifest, rows) if fmt == "openai-batch" else (rows, 0)
+            lines, incomplete = (batch_lines(manifest, rows, _token_text(manifest, rows)) if fmt == "openai-batch"
+                                 else (rows, 0))
             with open(tmp, "wb") as f:
                 for line in lines:
                     f.write(orjson.dumps(line) + b"\n")
@@ -81,6 +82,22 @@ def export(folder: Path, output: Path, fmt: str) -> tuple[int, str]:
         tmp.unlink(missing_ok=True)
         raise
     return written, note
+
+
+def _token_text(manifest: dict, rows: list[dict]):
+    """A token id's text, from the job's tokenizer, where rows carry
+    log-probabilities (the API names tokens by their text); else None."""
+    if not any(r.get("logprobs") for r in rows):
+        return None
+    from mtp_engine.model.loader import load_checkpoint_tokenizer
+
+    path = (manifest.get("model") or {}).get("path")
+    try:
+        tokenizer = load_checkpoint_tokenizer(path)
+    except (OSError, ValueError) as e:
+        raise OutputError(f"the rows carry log-probabilities, whose tokens the API names by their text; the "
+                          f"job's tokenizer ({path}) cannot be read: {e}") from None
+    return lambda token: tokenizer.decode([token])
 
 
 def _fsync(path: Path) -> None:

@@ -81,7 +81,12 @@ def request_row(data: dict, id_field: str, prompt_field: str, messages_field: st
     for name in SAMPLING_FIELDS:
         if body.get(name) is not None:
             row[name] = body[name]
-    used = {"messages", "prompt", "max_tokens", "max_completion_tokens", *SAMPLING_FIELDS}
+    if url == CHAT_URL and body.get("logprobs"):  # chat: logprobs true, top_logprobs N
+        row["logprobs"] = body.get("top_logprobs") or 0
+    elif url == COMPLETIONS_URL and body.get("logprobs") is not None:  # completions: logprobs N
+        row["logprobs"] = body["logprobs"]
+    used = {"messages", "prompt", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
+            *SAMPLING_FIELDS}
     unknown = sorted(k for k in body if k not in used and body[k] is not None)
     return row, unknown
 
@@ -112,13 +117,14 @@ def _text_message(i: int, m) -> dict:
 # -- export -------------------------------------------------------------------
 
 
-def batch_lines(manifest: dict, rows: list[dict]) -> tuple[list[dict], int]:
+def batch_lines(manifest: dict, rows: list[dict], token_text=None) -> tuple[list[dict], int]:
     """A job's committed rows as OpenAI batch output lines.
 
     One line per prompt id, its completions as ``choices`` (``index`` is the
     sample), in input order, made only when all of them are committed; a
     prompt with an error row is an error line. Returns (the lines, prompts
     left out because some completions are not committed yet).
+    ``token_text`` names a token id (rows with log-probabilities need it).
     """
     model = manifest.get("model", {}).get("name", "")
     n_job = manifest.get("config", {}).get("n", 1)
@@ -137,7 +143,7 @@ def batch_lines(manifest: dict, rows: list[dict]) -> tuple[list[dict], int]:
         if len(group) < (group[0].get("n") or n_job):
             incomplete += 1
             continue
-        lines.append(_response_line(rid, group, model))
+        lines.append(_response_line(rid, group, model, token_text))
     return lines, incomplete
 
 
@@ -145,7 +151,29 @@ def _request_id(rid: str) -> str:
     return "batch_req_" + hashlib.sha256(rid.encode()).hexdigest()[:24]
 
 
-def _response_line(rid: str, group: list[dict], model: str) -> dict:
+def _logprobs(row: dict, chat: bool, token_text) -> dict | None:
+    """A row's log-probabilities in the API's shape: chat ``{"content":
+    [{"token", "logprob", "bytes", "top_logprobs"}]}``, completions
+    ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``."""
+    values = row.get("logprobs")
+    if values is None or token_text is None:
+        return None
+    tops = row.get("top_logprobs") or [[] for _ in values]
+    tokens = row.get("token_ids") or []
+    pieces = [token_text(t) for t in tokens]
+    if chat:
+        def entry(text, logprob):
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**entry(text, lp), "top_logprobs": [entry(token_text(a["token"]), a["logprob"])
+                                                                  for a in top]}
+                            for text, lp, top in zip(pieces, values, tops)]}
+    offsets = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
+    return {"tokens": pieces, "token_logprobs": values,
+            "top_logprobs": [{token_text(a["token"]): a["logprob"] for a in top} for top in tops],
+            "text_offset": offsets}
+
+
+def _response_line(rid: str, group: list[dict], model: str, token_text=None) -> dict:
     chat = bool(group[0].get("chat"))
     choices = []
     for r in group:
@@ -154,7 +182,7 @@ def _response_line(rid: str, group: list[dict], model: str) -> dict:
             choice["message"] = {"role": "assistant", "content": r["completion"]}
         else:
             choice["text"] = r["completion"]
-        choice["logprobs"] = None
+        choice["logprobs"] = _logprobs(r, chat, token_text)
         choices.append(choice)
     prompt_tokens = group[0]["prompt_tokens"] or 0
     completion_tokens = sum(r["completion_tokens"] or 0 for r in group)

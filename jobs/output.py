@@ -215,7 +215,8 @@ def read_manifest(folder: Path) -> dict:
 def folder_schema(manifest: dict) -> pa.Schema:
     """The Arrow schema of a folder's shards: its output schema version's,
     plus the input columns it keeps."""
-    return with_kept_columns(completion_schema(manifest.get("schema_version", 1)), manifest.get("kept_columns", []))
+    return with_kept_columns(completion_schema(manifest.get("schema_version", 1)), manifest.get("kept_columns", []),
+                             bool(manifest.get("logprobs")))
 
 
 def folder_schema_version(folder: Path) -> int | None:

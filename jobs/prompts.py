@@ -3,9 +3,9 @@
 A row gives either a ``prompt`` string (used as is) or chat ``messages``
 (rendered with the tokenizer's chat template, ``add_generation_prompt=True``).
 Optional per-row fields override the job's: ``max_tokens``, ``stop``,
-``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``n`` and the
+``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``n``, the
 penalties (``repetition_penalty``, ``presence_penalty``,
-``frequency_penalty``). A line
+``frequency_penalty``) and ``logprobs``. A line
 of an OpenAI batch file is read as such a row (`jobs.openai_batch`). Every
 problem becomes one error row with a kind and a message; nothing here
 raises for bad input, except a chat template that runs past
@@ -25,7 +25,7 @@ import orjson
 from jobs import openai_batch
 from jobs.config import MAX_N, JobConfig
 from jobs.readers import SourceRow
-from mtp_engine.sampling import SamplingParams
+from mtp_engine.sampling import MAX_LOGPROBS, SamplingParams
 
 SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
                       "frequency_penalty")
@@ -92,6 +92,7 @@ class Request:
     n: int = 1
     chat: bool = False
     kept: dict = field(default_factory=dict)
+    logprobs: int | None = None
 
     def seed(self, sample: int) -> int:
         """Completion ``sample``'s derived seed (`completion_seed`)."""
@@ -139,10 +140,13 @@ class Preparer:
             or seed columns): rows that sample become error rows.
         log: Where notes go (OpenAI batch fields not honoured, once each).
         keep_columns: Input columns each output row carries (`kept_value`).
+        logprob_columns: Whether the output has log-probability columns
+            (rows then get the job's or their own ``logprobs``).
     """
 
     def __init__(self, config: JobConfig, tokenizer, context_length: int, reserved_ids: set[str] = frozenset(),
-                 sampling_allowed: bool = True, log=None, keep_columns: tuple[str, ...] = ()):
+                 sampling_allowed: bool = True, log=None, keep_columns: tuple[str, ...] = (),
+                 logprob_columns: bool = False):
         self.config = config
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -151,6 +155,7 @@ class Preparer:
         self.sampling_allowed = sampling_allowed
         self.unknown = openai_batch.UnknownFields(log)
         self.keep_columns = keep_columns
+        self.logprob_columns = logprob_columns
         self.rendered = 0  # chat rows rendered in time
         self.timeouts = 0
         self.template_options = dict(config.chat_template_kwargs or {})
@@ -237,6 +242,11 @@ class Preparer:
         sampling, n = self._sampling(data)
         if isinstance(sampling, str):
             return self._error(row, rid, "invalid_field", sampling, prompt, chat)
+        logprobs = data.get("logprobs", self.config.logprobs)
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_LOGPROBS):
+            return self._error(row, rid, "invalid_field", f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got "
+                               f"{logprobs!r}", prompt, chat)
 
         ids = list(self.tokenizer.encode(prompt))
         if not ids:
@@ -248,7 +258,7 @@ class Preparer:
                 prompt,
             )
         return Request(rid, row.index, row.line, prompt, ids, max_tokens, tuple(stop), sampling, n, chat,
-                       self._kept(row))
+                       self._kept(row), logprobs if self.logprob_columns else None)
 
     def _sampling(self, data: dict) -> tuple[SamplingParams | str, int]:
         """The row's sampling and n (the job's, with the row's overrides),

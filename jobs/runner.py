@@ -55,7 +55,7 @@ from mtp_engine import MTPEngine
 from mtp_engine.decoder import Decoder
 from mtp_engine.model.hub import resolve_model
 from mtp_engine.model.loader import load_checkpoint_tokenizer
-from schemas.arrow import COMPLETION_SCHEMA, SCHEMA_VERSION, completion_row, error_row
+from schemas.arrow import COMPLETION_SCHEMA, SCHEMA_VERSION, completion_row, error_row, logprob_values
 
 
 @dataclass
@@ -193,9 +193,11 @@ def build_manifest(config: JobConfig, tokenizer, source: PromptSource, scan: "Da
     model_id = model_identity(config.model)
     template = config.template_text() or getattr(tokenizer, "chat_template", None)
     kept = kept_columns(config, scan)
-    parts = fingerprint_parts(config, model_id, template, schema_version, kept)
+    logprobs = config.logprobs is not None or scan.logprobs
+    parts = fingerprint_parts(config, model_id, template, schema_version, kept, logprobs)
     return {
         "kept_columns": kept,
+        "logprobs": logprobs,
         "schema_version": schema_version,
         "fingerprint": fingerprint(parts),
         "fingerprint_parts": parts,
@@ -253,7 +255,7 @@ def run_job(
         out.close()
 
 
-CLASHING = frozenset(COMPLETION_SCHEMA.names)
+CLASHING = frozenset(COMPLETION_SCHEMA.names) | {"token_ids", "logprobs", "top_logprobs"}
 
 
 def kept_columns(config: JobConfig, scan: "DatasetScan") -> list[str]:
@@ -388,7 +390,8 @@ def _run(config, engine, source, scan, out, ranks, stream, log, version) -> JobS
     progress_log = lambda m: progress.log(m)  # noqa: E731  (progress is made below)
     preparer = Preparer(config, engine.tokenizer, engine.context_length, reserved_ids=scan.ids,
                         sampling_allowed=version >= 2, log=progress_log,
-                        keep_columns=tuple(out.manifest.get("kept_columns", ())))
+                        keep_columns=tuple(out.manifest.get("kept_columns", ())),
+                        logprob_columns=bool(out.manifest.get("logprobs")))
     buffer = _Buffer(out, config.rows_per_shard, config.commit_seconds)
     progress = Progress(
         scan.completions if world == 1 else None,
@@ -466,27 +469,32 @@ class DatasetScan:
         completions: The completions they ask for: each row's n (the job's
             unless the row sets a valid one).
         columns: The rows' field names, in order of first appearance.
+        logprobs: Whether a row asks for log-probabilities itself.
     """
 
     ids: set[str]
     prompts: int
     completions: int
     columns: tuple[str, ...] = ()
+    logprobs: bool = False
 
 
 def scan_dataset(source: PromptSource, config: JobConfig) -> DatasetScan:
-    ids, prompts, completions, columns = set(), 0, 0, {}
+    ids, prompts, completions, columns, logprobs = set(), 0, 0, {}, False
     for row in source:
         if config.limit is not None and row.index >= config.limit:
             break
         if isinstance(row.data, dict) and not openai_batch.is_request(row.data):
             columns.update(dict.fromkeys(row.data))
+            logprobs = logprobs or row.data.get("logprobs") is not None
+        elif isinstance(row.data, dict) and isinstance(row.data.get("body"), dict):
+            logprobs = logprobs or bool(row.data["body"].get("logprobs"))
         prompts += 1
         completions += 1 if row.error is not None else _row_n_hint(row, config)  # an unreadable row: one error row
         raw = raw_id(row.data, config.id_field)
         if isinstance(raw, (str, int)) and not isinstance(raw, bool):
             ids.add(str(raw))
-    return DatasetScan(ids, prompts, completions, tuple(columns))
+    return DatasetScan(ids, prompts, completions, tuple(columns), logprobs)
 
 
 def _describe_sampling(config: JobConfig) -> str:
@@ -553,8 +561,8 @@ def _request_result(req: Request, sample: int, result, failure: str | None) -> d
             sample=sample, n=req.n, seed=req.seed(sample), chat=req.chat,
         )
     else:
-        row = completion_row(id=req.id, index=req.index, line=req.line, prompt=req.prompt, result=result,
-                             sample=sample, n=req.n, chat=req.chat, seed=req.seed(sample))
+        row = {**completion_row(id=req.id, index=req.index, line=req.line, prompt=req.prompt, result=result,
+                                sample=sample, n=req.n, chat=req.chat, seed=req.seed(sample)), **logprob_values(result)}
     return {**row, **req.kept}
 
 
@@ -581,7 +589,7 @@ def _alone(engine, config, item: Work, finish, attempts: int = 2) -> None:
         decoder = Decoder(engine, replace(config.decode_config(), batch_size=len(item.samples)))
         try:
             decoder.add(req.id, req.prompt_ids, [req.sample_params(j) for j in item.samples],
-                        max_tokens=req.max_tokens, stop=list(req.stop) or None)
+                        max_tokens=req.max_tokens, stop=list(req.stop) or None, logprobs=req.logprobs)
             results = {}
             while decoder.pending:
                 results.update(decoder.step())
@@ -656,7 +664,8 @@ def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lamb
             try:
                 prefix = prefixes.find(req.prompt_ids) if prefixes is not None else None
                 decoder.add(req.id, req.prompt_ids, [req.sample_params(j) for j in item.samples],
-                            max_tokens=req.max_tokens, stop=list(req.stop) or None, prefix=prefix)
+                            max_tokens=req.max_tokens, stop=list(req.stop) or None, prefix=prefix,
+                            logprobs=req.logprobs)
             except Exception:  # the row alone names what is wrong with it
                 _alone(engine, config, item, finish)
                 continue

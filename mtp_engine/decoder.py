@@ -49,7 +49,7 @@ from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.controller import Controller, RowAcceptance
 from mtp_engine.modes import CHAINS, DecodeConfig
 from mtp_engine.prefix import PrefixState, copy_caches
-from mtp_engine.sampling import SamplingParams, apply_penalties, choose
+from mtp_engine.sampling import MAX_LOGPROBS, SamplingParams, apply_penalties, choose, token_logprobs
 from mtp_engine.stopping import Finisher, stop_list
 from mtp_engine.verify import verify
 from schemas.records import GenerationResult, GenerationStats, StepTrace
@@ -81,6 +81,8 @@ class _Row:
     joined_at: float = field(default_factory=time.perf_counter)
     acceptance: RowAcceptance | None = None
     ghost: bool = False  # finished: a place kept until a joining row takes it (`Decoder._compact`)
+    logprobs: int | None = None  # alternatives per token, when its log-probabilities are asked for
+    lp: list = field(default_factory=list)  # each emitted token's (logprob, alternatives)
 
     @property
     def budget(self) -> int:
@@ -97,6 +99,7 @@ class _Queued:
     samples: list[SamplingParams]
     trace: bool
     prefix: PrefixState | None = None
+    logprobs: int | None = None
 
 
 def top_logits(logits: mx.array, k: int = 4) -> list[list[tuple[int, float]]]:
@@ -152,11 +155,13 @@ class Decoder:
         return sum(not r.ghost for r in self.rows)
 
     def add(self, key: Hashable, prompt: str | list[int], samples: list[SamplingParams], *, max_tokens: int = 256,
-            stop: str | list[str] | None = None, trace: bool = False, prefix: PrefixState | None = None) -> None:
+            stop: str | list[str] | None = None, trace: bool = False, prefix: PrefixState | None = None,
+            logprobs: int | None = None) -> None:
         """Queue a prompt: one row per sample, keyed ``(key, j)``, all
         sharing one prefill (of the tokens after ``prefix``, a
-        `mtp_engine.prefix.PrefixState` the prompt continues, where given).
-        Raises the errors of `MTPEngine.generate`."""
+        `mtp_engine.prefix.PrefixState` the prompt continues, where given);
+        ``logprobs=N`` records each token's log-probability and N
+        alternatives. Raises the errors of `MTPEngine.generate`."""
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         if not samples or not all(isinstance(p, SamplingParams) for p in samples):
@@ -170,10 +175,13 @@ class Decoder:
             engine.pick_drafter(self.decode.mode, self.decode.drafter, all(p.greedy for p in samples))
         elif self.k and self.drafter.name in GREEDY_ONLY and not all(p.greedy for p in samples):
             raise ValueError(f"the {self.drafter.name} drafter drafts greedily; sampled rows need the MLX head")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {logprobs!r}")
         if prefix is not None and not prefix.continues(ids):
             raise ValueError(f"the prompt ({len(ids)} tokens) does not continue the prefix's {len(prefix)} tokens")
         self.queue.append(_Queued(key, ids, min(max_tokens, engine.context_length - len(ids)), stops,
-                                  list(samples), trace, prefix))
+                                  list(samples), trace, prefix, logprobs))
 
     def warm_up(self, sampling: SamplingParams) -> tuple[float, int]:
         """Meet, before the first row, every step shape this decoder takes:
@@ -287,6 +295,12 @@ class Decoder:
             row.finisher.add(tokens)
             if row.finisher.done:
                 done.append(b)
+        want = [b for b, r in enumerate(rows) if r.logprobs is not None and not r.ghost]
+        if want:  # from the verify forward's logits at the winning path's positions
+            logits = v.logits[mx.array([v.winners[b] for b in want], dtype=mx.int32)]
+            for b, entries in zip(want, token_logprobs(logits, [params[b] for b in want], [v.emitted[b] for b in want],
+                                                       [rows[b].logprobs for b in want])):
+                rows[b].lp += entries
         self.drafter.commit(v.hidden, v.emitted, v.winners)
         self.hooks.lap("head_commit")
         if self.controller is not None:
@@ -316,7 +330,7 @@ class Decoder:
         self.hooks.lap("verify", ahead)
         done = self._read_ahead()
         self._ahead, self._ahead_hidden, self._fed = ahead, hidden, [True] * len(rows)
-        self._ahead_logits = logits if any(r.trace is not None for r in rows) else None
+        self._ahead_logits = logits if any(r.trace is not None or r.logprobs is not None for r in rows) else None
         self._plain_steps += 1
         if self._plain_steps % 256 == 0:
             mx.clear_cache()
@@ -346,6 +360,12 @@ class Decoder:
                 row.finisher.add(tokens[b])
                 if row.finisher.done:
                     done.append(b)
+        want = [b for b, r in enumerate(rows) if self._fed[b] and r.logprobs is not None and not r.ghost]
+        if want and self._ahead_logits is not None:
+            logits = self._ahead_logits[mx.array(want, dtype=mx.int32)]
+            for b, entries in zip(want, token_logprobs(logits, [rows[b].sampling for b in want],
+                                                       [tokens[b] for b in want], [rows[b].logprobs for b in want])):
+                rows[b].lp += entries
         if self._ahead_hidden is not None:
             self.drafter.extend(self._ahead_hidden, [tokens[b] if fed else [] for b, fed in enumerate(self._fed)])
         return done
@@ -438,7 +458,10 @@ class Decoder:
             stats.row_wins = [0] * decode.max_paths if self.k else []
             finisher = Finisher(engine.tokenizer, engine.eos_token_ids, q.max_tokens, q.stop)
             row = _Row(key, q.prompt, finisher, stats, x, params, [] if q.trace else None,
-                       acceptance=RowAcceptance.empty(self.k) if self.controller is not None else None)
+                       acceptance=RowAcceptance.empty(self.k) if self.controller is not None else None,
+                       logprobs=q.logprobs)
+            if q.logprobs is not None:  # the first token, from the prefill's logits
+                row.lp = token_logprobs(logits, [params], [[x]], [q.logprobs])[0]
             finisher.add([x])
             if finisher.done:
                 finished.append((key, self._result(row)))
@@ -481,4 +504,5 @@ class Decoder:
         s.generated_tokens = len(row.finisher.tokens)
         return GenerationResult(tokens=row.finisher.tokens, text=row.finisher.text(),
                                 finish_reason=row.finisher.reason or "length", stats=s, prompt_tokens=row.prompt,
-                                trace=row.trace)
+                                trace=row.trace,
+                                logprobs=row.lp[: len(row.finisher.tokens)] if row.logprobs is not None else None)

@@ -174,7 +174,7 @@ class MTPEngine:
     def generate(self, prompt: str | list[int], *, decode: DecodeConfig | None = None,
                  sampling: SamplingParams | None = None, max_tokens: int = 256,
                  stop: str | list[str] | None = None, trace: bool = False, prefix: PrefixState | None = None,
-                 **shortcuts) -> GenerationResult:
+                 logprobs: int | None = None, **shortcuts) -> GenerationResult:
         """Decode one prompt: greedily, or sampling (`mtp_engine.sampling`).
 
         Args:
@@ -188,6 +188,9 @@ class MTPEngine:
             trace: Record every verify step in ``result.trace``.
             prefix: A `prefill_prefix` result the prompt starts with: only
                 the tokens after it are prefilled.
+            logprobs: 0..20: record each token's log-probability and that
+                many likeliest alternatives in ``result.logprobs``
+                (`mtp_engine.sampling.token_logprobs`).
             **shortcuts: Fields of either config, e.g. ``mode="tree"``,
                 ``temperature=0.8, seed=7``.
 
@@ -200,13 +203,14 @@ class MTPEngine:
         """
         decode, values = self.configs(decode, sampling, **shortcuts)
         (_, result), = self._decode([prompt], replace(decode, batch_size=1), [[make_sampling(**values)]],
-                                    [max_tokens], stop, trace, prefix, strict=True)
+                                    [max_tokens], stop, trace, prefix, strict=True, logprobs=logprobs)
         return result
 
     def generate_samples(self, prompt: str | list[int], *, seeds: list[int | None],
                          decode: DecodeConfig | None = None, sampling: SamplingParams | None = None,
                          max_tokens: int = 256, stop: str | list[str] | None = None, trace: bool = False,
-                         prefix: PrefixState | None = None, **shortcuts) -> list[GenerationResult]:
+                         prefix: PrefixState | None = None, logprobs: int | None = None,
+                         **shortcuts) -> list[GenerationResult]:
         """Several completions of one prompt, one per seed, decoded together
         as rows sharing one prefill. Each result equals `generate` with that
         seed. Arguments as `generate`."""
@@ -215,13 +219,14 @@ class MTPEngine:
         decode, values = self.configs(decode, sampling, **shortcuts)
         samples = [make_sampling(**{**values, "seed": seed}) for seed in seeds]
         rows = self._decode([prompt], replace(decode, batch_size=len(samples)), [samples], [max_tokens], stop, trace,
-                            prefix, strict=True)
+                            prefix, strict=True, logprobs=logprobs)
         return [result for _, result in sorted(rows, key=lambda row: row[0])]
 
     def generate_batch_iter(self, prompts: list[str | list[int]], *, decode: DecodeConfig | None = None,
                             sampling: SamplingParams | None = None, max_tokens: int | list[int] = 256,
                             stop: str | list[str] | None = None, seed: int | list[int | None] | None = None,
-                            prefix: PrefixState | None = None, **shortcuts) -> Iterator[tuple[int, GenerationResult]]:
+                            prefix: PrefixState | None = None, logprobs: int | None = None,
+                            **shortcuts) -> Iterator[tuple[int, GenerationResult]]:
         """Decode many prompts, ``decode.batch_size`` rows at a time
         (`mtp_engine.decoder`), yielding ``(index, result)`` as rows finish.
 
@@ -234,7 +239,7 @@ class MTPEngine:
                 its seed, whatever the batch holds (exact sampler).
             prefix: A `prefill_prefix` result: the prompts that start with
                 it prefill only the tokens after it (the others all theirs).
-            decode, sampling, stop, **shortcuts: As `generate`.
+            decode, sampling, stop, logprobs, **shortcuts: As `generate`.
 
         Raises:
             ValueError/TypeError: Bad parameters or prompts (checked before
@@ -249,7 +254,7 @@ class MTPEngine:
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         decode, values = self.configs(decode, sampling, **shortcuts)
         samples = [[make_sampling(**{**values, "seed": s})] for s in seeds]
-        for (i, _), result in self._decode(prompts, decode, samples, budgets, stop, False, prefix):
+        for (i, _), result in self._decode(prompts, decode, samples, budgets, stop, False, prefix, logprobs=logprobs):
             yield i, result
 
     def generate_batch(self, prompts: list[str | list[int]], **kwargs) -> list[GenerationResult]:
@@ -260,8 +265,8 @@ class MTPEngine:
         return results
 
     def _decode(self, prompts, decode: DecodeConfig, samples: list[list[SamplingParams]], budgets: list[int],
-                stop, trace: bool, prefix: PrefixState | None = None,
-                strict: bool = False) -> Iterator[tuple[tuple[int, int], GenerationResult]]:
+                stop, trace: bool, prefix: PrefixState | None = None, strict: bool = False,
+                logprobs: int | None = None) -> Iterator[tuple[tuple[int, int], GenerationResult]]:
         """``((prompt, sample), result)`` as rows finish, one decoder for all;
         ``prefix`` serves the prompts that continue it (``strict``: every
         prompt must)."""
@@ -275,7 +280,7 @@ class MTPEngine:
                 elif strict:
                     raise ValueError(f"the prompt ({len(ids)} tokens) does not start with the prefix's "
                                      f"{len(prefix)} tokens and go on past them")
-            decoder.add(i, prompt, params, max_tokens=budget, stop=stop, trace=trace, prefix=start)
+            decoder.add(i, prompt, params, max_tokens=budget, stop=stop, trace=trace, prefix=start, logprobs=logprobs)
         try:
             while decoder.pending:
                 yield from decoder.step()

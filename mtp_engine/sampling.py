@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -221,6 +221,44 @@ def _rows_by_filter(params: list[SamplingParams]) -> list[tuple[SamplingParams, 
         groups.setdefault(p.filter_key(), []).append(r)
         first.setdefault(p.filter_key(), p)
     return [(first[k], rows) for k, rows in groups.items()]
+
+
+MAX_LOGPROBS = 20
+"""The most alternatives a token's log-probability comes with."""
+
+
+def token_logprobs(logits: mx.array, params: list[SamplingParams], tokens: list[list[int]],
+                   top: list[int]) -> list[list[tuple[float, list[tuple[int, float]]]]]:
+    """Each row's tokens' log-probabilities in the distribution it samples
+    from before the temperature: the log-softmax of ``[R, T, V]`` logits
+    (after penalties), with the row's filters applied when it samples
+    (filtered tokens at -inf), and the row's ``top[r]`` likeliest tokens
+    there (0 <= top <= `MAX_LOGPROBS`; fewer where the filters keep fewer). Row ``r`` gives one entry per token
+    of ``tokens[r]`` (at most T), ``(logprob, [(token, logprob), ...])``."""
+    R, T, V = logits.shape
+    lp = logits.astype(mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    if any(not p.greedy for p in params):
+        filtered = scaled_logprobs(logits, [replace(p, temperature=1.0) if not p.greedy else p for p in params])
+        lp = mx.where(mx.array([not p.greedy for p in params])[:, None, None], filtered, lp)
+    index = mx.array([t + [0] * (T - len(t)) for t in tokens], dtype=mx.int32)
+    chosen = mx.take_along_axis(lp, index[..., None], axis=-1)[..., 0]
+    k = max(top)
+    if k:
+        best = mx.argpartition(-lp, kth=k - 1, axis=-1)[..., :k]
+        best_lp = mx.take_along_axis(lp, best, axis=-1)
+        mx.eval(chosen, best, best_lp)
+        best, best_lp = best.tolist(), best_lp.tolist()
+    chosen = chosen.tolist()
+    out = []
+    for r in range(R):
+        entries = []
+        for j in range(len(tokens[r])):
+            alternatives = sorted(((t, v) for t, v in zip(best[r][j], best_lp[r][j]) if v > -math.inf),
+                                  key=lambda a: -a[1])[: top[r]] if k else []
+            entries.append((chosen[r][j], alternatives))
+        out.append(entries)
+    return out
 
 
 def scaled_logprobs(logits: mx.array, params: list[SamplingParams]) -> mx.array:

@@ -70,10 +70,30 @@ def completion_schema(version: int = SCHEMA_VERSION) -> pa.Schema:
 COMPLETION_SCHEMA = completion_schema()
 
 
-def with_kept_columns(schema: pa.Schema, names: list[str] | tuple[str, ...]) -> pa.Schema:
-    """``schema`` with input columns the job keeps appended, as text (a
-    non-text value is stored as its JSON text: `jobs.prompts.kept_value`)."""
-    return pa.schema(list(schema) + [pa.field(name, pa.string()) for name in names], metadata=schema.metadata)
+LOGPROB_FIELDS = [
+    pa.field("token_ids", pa.list_(pa.int32())),
+    pa.field("logprobs", pa.list_(pa.float32())),
+    pa.field("top_logprobs", pa.list_(pa.list_(pa.struct([pa.field("token", pa.int32()),
+                                                          pa.field("logprob", pa.float32())])))),
+]
+"""With ``--logprobs``: the generated token ids, each one's log-probability,
+and its alternatives best first (`mtp_engine.sampling.token_logprobs`)."""
+
+
+def with_kept_columns(schema: pa.Schema, names: list[str] | tuple[str, ...], logprobs: bool = False) -> pa.Schema:
+    """``schema`` with the log-probability columns where the job stores
+    them, then the input columns it keeps, as text (a non-text value is
+    stored as its JSON text: `jobs.prompts.kept_value`)."""
+    extra = (LOGPROB_FIELDS if logprobs else []) + [pa.field(name, pa.string()) for name in names]
+    return pa.schema(list(schema) + extra, metadata=schema.metadata)
+
+
+def logprob_values(result: GenerationResult) -> dict:
+    """A result's log-probability columns."""
+    if result.logprobs is None:
+        return {"token_ids": None, "logprobs": None, "top_logprobs": None}
+    return {"token_ids": list(result.tokens), "logprobs": [lp for lp, _ in result.logprobs],
+            "top_logprobs": [[{"token": t, "logprob": v} for t, v in alternatives] for _, alternatives in result.logprobs]}
 
 def completion_row(
     *, id: str, index: int, line: int | None, prompt: str, result: GenerationResult, sample: int = 0,

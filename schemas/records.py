@@ -113,6 +113,9 @@ class GenerationResult:
         stats: Acceptance statistics and timings.
         prompt_tokens: The prompt's token ids as decoded.
         trace: Per-step records when ``trace=True`` was passed, else None.
+        logprobs: With ``logprobs=N``: each token's log-probability and its
+            N likeliest alternatives, ``(logprob, [(token, logprob), ...])``
+            (`mtp_engine.sampling.token_logprobs`), else None.
     """
 
     tokens: list[int]
@@ -121,3 +124,4 @@ class GenerationResult:
     stats: GenerationStats
     prompt_tokens: list[int] = field(default_factory=list)
     trace: list[StepTrace] | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None

@@ -244,6 +244,47 @@ def test_penalties_under_speculation_equal_plain_decoding_with_them(held_out, te
             assert_same_or_near_tie(f"{name} batched {mode} row {i}", results[i], references[i], params)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_logprobs_under_speculation_equal_plain_decodings(held_out, temperature):
+    """Each token's log-probability and its alternatives, in every mode and
+    batched, equal those of plain decoding's logits (mlx-lm's model, one
+    token per forward) within 1e-4: log-softmax, the row's filters when it
+    samples, before the temperature."""
+    name, engine, plain = held_out
+    params = [SamplingParams(temperature=temperature, top_p=0.9, seed=90 + i) for i in range(3)]
+    prompts = [engine.encode(p) for p in PROMPTS[:3]]
+    references = [plain.sample(ids, p, N_TOKENS) for ids, p in zip(prompts, params)]
+
+    def check(label, result, reference, p):
+        assert len(result.logprobs) == len(result.tokens)
+        for j, (token, want) in enumerate(zip(result.tokens, reference.tokens)):
+            if token != want:  # a near-tie parted them (assert_same_or_near_tie): compare up to it
+                break
+            lp = reference.logits[j][None, None]
+            lp = (filtered_logprobs(lp, p) if not p.greedy else lp - mx.logsumexp(lp, axis=-1, keepdims=True))[0, 0]
+            got, alternatives = result.logprobs[j]
+            assert abs(got - lp[token].item()) < 1e-4, f"{label} token {j}"
+            kept = int(mx.sum(lp > -math.inf).item())  # the filters may keep fewer than 3
+            assert len(alternatives) == min(3, kept) and alternatives[0][1] >= alternatives[-1][1]
+            for t, value in alternatives:
+                assert abs(value - lp[t].item()) < 1e-4, f"{label} token {j} alternative {t}"
+            assert alternatives[0][1] >= lp.max().item() - 1e-4
+    for mode in ("baseline", "chain", "tree"):
+        for i, (ids, p) in enumerate(zip(prompts, params)):
+            result = engine.generate(ids, mode=mode, max_tokens=N_TOKENS, sampling=p, draft_tokens=3, logprobs=3)
+            assert_same_or_near_tie(f"{name} {mode} row {i}", result.tokens, references[i], p)
+            check(f"{name} {mode} row {i}", result, references[i], p)
+    decoder = Decoder(engine, DecodeConfig(mode="auto", draft_tokens=3, batch_size=3))
+    for i, (ids, p) in enumerate(zip(prompts, params)):
+        decoder.add(i, ids, [p], max_tokens=N_TOKENS, logprobs=3 if i != 1 else None)
+    results = {}
+    while decoder.pending:
+        results.update({key: r for (key, _), r in decoder.step()})
+    assert results[1].logprobs is None
+    for i in (0, 2):
+        check(f"{name} batched auto row {i}", results[i], references[i], params[i])
+
+
 @pytest.mark.parametrize("batch_size,k", [(1, 2), (3, 0), (3, 4), (8, 2)])
 def test_exact_sampler_batched_equals_plain_sampling_whatever_the_batch(held_out, batch_size, k):
     """Rows of different settings, budgets and seeds (one greedy) share
