@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -208,10 +209,11 @@ def test_status_of_a_non_job_folder(tmp_path, capsys):
     assert "not a job output folder" in capsys.readouterr().err
 
 
-def test_a_hub_id_is_read_from_the_local_hub_cache(tmp_path, job_model, capsys, monkeypatch):
+def test_a_hub_id_is_read_from_the_local_hub_cache(tmp_path, job_model):
     """--model org/name resolves through the Hub cache's layout (refs/main ->
-    snapshots/<revision>), as huggingface-cli download leaves it; the
-    manifest records the revision. A missing one is one error line."""
+    snapshots/<revision>), as huggingface-cli download leaves it
+    (huggingface_hub reads HF_HUB_CACHE and HF_HUB_OFFLINE); the manifest
+    records the revision. A missing one is one error line."""
     import shutil
 
     cache = tmp_path / "hub"
@@ -219,17 +221,17 @@ def test_a_hub_id_is_read_from_the_local_hub_cache(tmp_path, job_model, capsys, 
     shutil.copytree(job_model, snapshot)
     (cache / "models--test-org--tiny-mtp" / "refs").mkdir()
     (cache / "models--test-org--tiny-mtp" / "refs" / "main").write_text("0123abcd")
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(2))
     out = tmp_path / "out"
-    assert main(["generate", "--dataset", str(dataset), "--model", "test-org/tiny-mtp", "--output", str(out),
-                 "--max-tokens", "4"]) == 0
+    job = [sys.executable, "-m", "jobs", "generate", "--dataset", str(dataset), "--max-tokens", "4"]
+    done = subprocess.run(job + ["--model", "test-org/tiny-mtp", "--output", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
     model = json.loads((out / "manifest.json").read_text())["model"]
     assert model["revision"] == "0123abcd" and model["path"] == str(snapshot.resolve())
-    capsys.readouterr()
-    assert main(["generate", "--dataset", str(dataset), "--model", "test-org/absent", "--output",
-                 str(tmp_path / "o2")]) == 1
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: model 'test-org/absent' is not a local folder and not in the "
-                                               f"local Hub cache ({cache}; HF_HUB_OFFLINE is set")
+    absent = subprocess.run(job + ["--model", "test-org/absent", "--output", str(tmp_path / "o2")], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=300)
+    err = absent.stderr.strip().splitlines()
+    assert absent.returncode == 1 and len(err) == 1, absent.stderr
+    assert err[0].startswith("error: model 'test-org/absent' is not a local folder nor in the local Hugging Face Hub")
