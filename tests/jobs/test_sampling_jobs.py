@@ -249,6 +249,10 @@ def test_export_writes_parquet_and_jsonl_in_input_order_that_common_readers_open
     by_key = stored.set_index(["id", "sample"])
     assert all(frame["completion"] == [by_key.loc[k, "completion"] for k in expected])
     assert pyarrow.dataset.dataset(str(tmp_path / "all.parquet")).to_table().num_rows == 9
+    polars = pytest.importorskip("polars")  # installed by .ci/run; not a dependency of the runner
+    duckdb = pytest.importorskip("duckdb")
+    assert polars.read_parquet(tmp_path / "all.parquet")["id"].to_list() == [k[0] for k in expected]
+    assert duckdb.sql(f"SELECT count(*) FROM '{tmp_path / 'all.parquet'}'").fetchall() == [(9,)]
     lines = [json.loads(line) for line in (tmp_path / "all.jsonl").read_text().splitlines()]
     assert [(r["id"], r["sample"]) for r in lines] == expected
     assert lines[0]["acceptance"]["mode"] == frame["acceptance"][0]["mode"]
