@@ -19,17 +19,17 @@ from mtp_engine.sampling import SamplingParams
 from tests.conftest import PROMPTS
 from tests.mtp_engine.test_sampling import PlainSampler, assert_same_or_near_tie
 
-HELD_OUT = {
-    "l4_fai2_e4k2": (tiny_config(num_hidden_layers=4, full_attention_interval=2, num_experts=4), dict(seed=31)),
+HELD_OUT = {  # config, checkpoint options, temperature (greedy on one, the exact sampler on the other)
+    "l4_fai2_e4k2": (tiny_config(num_hidden_layers=4, full_attention_interval=2, num_experts=4), dict(seed=31), 0.0),
     "l5_fai5_kv2": (tiny_config(num_hidden_layers=5, full_attention_interval=5, num_key_value_heads=2),
-                    dict(seed=32, predictability=0.6)),
+                    dict(seed=32, predictability=0.6), 0.9),
 }
 N_TOKENS = 24
 
 
 @pytest.fixture(scope="module", params=sorted(HELD_OUT))
 def held_out(request, checkpoint_factory):
-    config, kwargs = HELD_OUT[request.param]
+    config, kwargs, _ = HELD_OUT[request.param]
     path = checkpoint_factory(f"prefix-{request.param}", config, **kwargs)
     return request.param, MTPEngine.load(path), PlainSampler(path)
 
@@ -47,9 +47,9 @@ def _prompts(engine) -> tuple[list[int], list[list[int]]]:
     return system, [system + engine.encode(p) for p in PROMPTS[:4]]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_rows_from_a_prefix_equal_plain_decoding_of_the_whole_prompt(held_out, temperature):
+def test_rows_from_a_prefix_equal_plain_decoding_of_the_whole_prompt(held_out):
     name, engine, plain = held_out
+    temperature = HELD_OUT[name][2]
     system, prompts = _prompts(engine)
     prefix = engine.prefill_prefix(system)
     assert len(prefix) == len(system) > 100 and prefix.nbytes > 0

@@ -230,10 +230,10 @@ def test_penalties_under_speculation_equal_plain_decoding_with_them(held_out, te
                    for ids, p in zip(prompts[:2], settings[:2])]
     assert any(r.tokens != u.tokens for r, u in zip(references, unpenalized))
     for i, (ids, params) in enumerate(zip(prompts, settings)):
-        for mode in ("baseline", "chain", "tree", "adaptive"):
+        for mode in ("baseline", "chain", "tree"):
             result = engine.generate(ids, mode=mode, max_tokens=N_TOKENS, sampling=params, draft_tokens=3)
             assert_same_or_near_tie(f"{name} {mode} row {i}", result.tokens, references[i], params)
-    for mode in ("chain", "auto", "baseline"):
+    for mode in ("chain", "auto"):
         decoder = Decoder(engine, DecodeConfig(mode=mode, draft_tokens=3, batch_size=3))
         for i, (ids, params) in enumerate(zip(prompts, settings)):
             decoder.add(i, ids, [params], max_tokens=N_TOKENS)
@@ -244,12 +244,11 @@ def test_penalties_under_speculation_equal_plain_decoding_with_them(held_out, te
             assert_same_or_near_tie(f"{name} batched {mode} row {i}", results[i], references[i], params)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_logprobs_under_speculation_equal_plain_decodings(held_out, temperature):
+def test_logprobs_under_speculation_equal_plain_decodings(held_out, temperature=0.9):
     """Each token's log-probability and its alternatives, in every mode and
     batched, equal those of plain decoding's logits (mlx-lm's model, one
     token per forward) within 1e-4: log-softmax, the row's filters when it
-    samples, before the temperature."""
+    samples, before the temperature (greedy rows: in the jobs' test)."""
     name, engine, plain = held_out
     params = [SamplingParams(temperature=temperature, top_p=0.9, seed=90 + i) for i in range(3)]
     prompts = [engine.encode(p) for p in PROMPTS[:3]]
