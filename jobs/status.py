@@ -113,7 +113,9 @@ def print_status(folder: Path, verify: bool = False, stream=None) -> int:
         *run_lines(folder),
         f"tokens:    {t.completion_tokens} completion tokens in {t.shards} shards",
         f"speed:     {t.tokens_per_s:.1f} tokens/s (over {t.elapsed_s:.0f} s of work; ranks at work together count once)" if t.tokens_per_s else "speed:     -",
-        f"acceptance length: {t.acceptance_length:.2f} tokens per verify step" if t.acceptance_length else "acceptance length: -",
+        "acceptance length: - (plain decoding: no drafts)" if cfg.get("mode") == "baseline" else
+        f"acceptance length: {t.acceptance_length:.2f} tokens per verify step" if t.acceptance_length else
+        "acceptance length: -",
         f"first use: {t.warmup_s:.1f} s warming up the decoder's step shapes "
         f"({100 * t.warmup_s / t.elapsed_s:.1f}% of the work time)" if t.warmup_s and t.elapsed_s else
         "first use: no warm-up recorded (the CPU has no first-use costs; --warm-up)",

@@ -122,7 +122,8 @@ def test_generate_then_status(tmp_path, job_model, capsys):
     assert main(["status", str(out)]) == 0
     status = capsys.readouterr().out
     assert "6/6 done (100.0%) (committed), 1 errors" in status and "last run:  finished at " in status
-    assert "acceptance length:" in status and "tokens/s" in status
+    assert "acceptance length: 1." in status or "acceptance length: 2." in status  # adaptive: drafts verified
+    assert "tokens/s" in status
 
 
 def test_prompts_and_completions_are_counted_apart(tmp_path, job_model, capsys):
