@@ -108,6 +108,12 @@ def test_help_documents_every_setting(capsys):
                  "--max-tokens", "--rows-per-shard", "--prompt-field", "--messages-field", "--id-field",
                  "--system-prompt", "--config", "--batch-size", "--overwrite"):
         assert flag in text
+    parser = build_parser()
+    generate = next(a for a in parser._subparsers._group_actions[0].choices["generate"]._actions
+                    if a.dest == "mode").container  # the generate subparser's arguments
+    for action in generate._group_actions:
+        assert (action.help or "").count("(default") <= 1, action.option_strings  # one default, said once
+    assert "default: None" not in text
 
 
 def test_generate_then_status(tmp_path, job_model, capsys):
@@ -153,6 +159,7 @@ def test_start_up_says_fast_paths_in_one_line_and_quiet_says_only_the_result(tmp
     base = ["generate", "--dataset", str(dataset), "--model", str(job_model), "--max-tokens", "4"]
     assert main(base + ["--output", str(tmp_path / "a")]) == 0
     err = capsys.readouterr().err.splitlines()
+    assert any(line.startswith("job: ") and "| mode baseline | batch 32 |" in line for line in err)  # what it chose
     fast = [line for line in err if line.startswith("fast path")]
     assert len(fast) == 1 and fast[0].startswith("fast paths: ") and "(--verbose for each)" in fast[0]
     assert main(base + ["--output", str(tmp_path / "b"), "--verbose"]) == 0
