@@ -215,13 +215,13 @@ def test_exact_sampler_every_mode_equals_plain_sampling(held_out, setting):
 PENALTIES = [dict(repetition_penalty=1.4), dict(presence_penalty=1.0, frequency_penalty=0.6)]
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_penalties_under_speculation_equal_plain_decoding_with_them(held_out, temperature):
+def test_penalties_under_speculation_equal_plain_decoding_with_them(held_out):
     """Penalties change the tokens (the test can fail), and every mode, and
     a batch mixing penalized and unpenalized rows, emits what plain decoding
     with the same penalties emits (its positions in a verify forward each
     see the drafts before them)."""
     name, engine, plain = held_out
+    temperature = 0.0 if name == min(HELD_OUT) else 0.8  # greedy on one config, the exact sampler on the other
     prompts = [engine.encode(p) for p in PROMPTS[:3]]
     settings = [SamplingParams(temperature=temperature, seed=50 + i, **pen)
                 for i, pen in enumerate(PENALTIES + [{}])]
