@@ -446,9 +446,9 @@ def test_rows_sharing_a_system_prompt_prefill_it_once_and_write_the_same_rows(tm
     resumed job rebuilds its prefixes."""
     from jobs.prefix_data import make_rows
 
-    rows = make_rows(40, 120, (4, 12), prefixes=2, seed=3)
+    rows = make_rows(24, 120, (4, 12), prefixes=2, seed=3)
     rows += [{"id": f"chat-{i}", "messages": [{"role": "system", "content": rows[0]["prompt"].split("\n\n")[0]},
-                                              {"role": "user", "content": f"question {i}"}]} for i in range(8)]
+                                              {"role": "user", "content": f"question {i}"}]} for i in range(6)]
     dataset = write_jsonl(tmp_path / "in.jsonl", rows)
     common = dict(max_tokens=6, rows_per_shard=4, prefix_min_tokens=64)
     for mode in ("baseline", "chain"):
@@ -460,7 +460,7 @@ def test_rows_sharing_a_system_prompt_prefill_it_once_and_write_the_same_rows(tm
         run_job(job_config(dataset, job_model, on, mode=mode, **common), engine=job_engine, stream=log)  # resumed
         assert completions(on) == completions(off)
         served = [int(line.split()[1]) for line in log.getvalue().splitlines() if line.startswith("prefixes: ")]
-        assert len(served) == 2 and served[1] >= 25, log.getvalue()  # of 38 rows in three groups
+        assert len(served) == 2 and served[1] >= 10, log.getvalue()  # of 20 rows in three groups
         print_status(on)
         assert "prefixes:  " in capsys.readouterr().out
     tiny, log = tmp_path / "tiny-budget", io.StringIO()

@@ -24,7 +24,7 @@ HELD_OUT = {  # config, checkpoint options, temperature (greedy on one, the exac
     "l5_fai5_kv2": (tiny_config(num_hidden_layers=5, full_attention_interval=5, num_key_value_heads=2),
                     dict(seed=32, predictability=0.6), 0.9),
 }
-N_TOKENS = 24
+N_TOKENS = 16
 
 
 @pytest.fixture(scope="module", params=sorted(HELD_OUT))
