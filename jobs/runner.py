@@ -298,25 +298,24 @@ def _finished_already(config: JobConfig, source: PromptSource, scan: "DatasetSca
         return None
     try:
         old = read_manifest(folder)
-        if any(problem is not None for _, _, problem in checked_entries(folder, checksum=False)) or \
-                any(ledger.read().tail for ledger in ledgers(folder)):
+        checked = list(checked_entries(folder, checksum=False))
+        if any(problem is not None for _, _, problem in checked) or any(ledger.read().tail for ledger in ledgers(folder)):
             return None
-        entries = read_all_ledgers(folder)
-        tokenizer = load_checkpoint_tokenizer(config.model)
-        manifest = build_manifest(config, tokenizer, source, scan, 1, _schema_version(config))
+        done = {key for _, e, _ in checked for key in e.keys()}
+        claims = Preparer(config, None, 0, reserved_ids=scan.ids)  # ids only: the model is not needed yet
+        for row in source:
+            if config.limit is not None and row.index >= config.limit:
+                break
+            if not _row_done(claims.claim_id(row)[0], row, config, done):
+                return None
+        # Everything is committed: now check it is this job's (the tokenizer gives the template).
+        manifest = build_manifest(config, load_checkpoint_tokenizer(config.model), source, scan, 1,
+                                  _schema_version(config))
     except (OutputError, OSError, ValueError, ConfigError):
         return None
     if old.get("fingerprint") != manifest["fingerprint"] or \
             (old.get("dataset") or {}).get("identity") != manifest["dataset"]["identity"]:
         return None
-    done = {key for e in entries for key in e.keys()}
-    preparer = Preparer(config, tokenizer, 0, reserved_ids=scan.ids)
-    for row in source:
-        if config.limit is not None and row.index >= config.limit:
-            break
-        rid, _ = preparer.claim_id(row)
-        if not all((rid, j) in done for j in range(_row_n_hint(row, config))):
-            return None
     print(f"nothing left to do: every row of {config.dataset} is committed in {folder} (the model was not loaded)",
           file=sys.stderr, flush=True)
     return JobSummary(output=folder, total=scan.prompts, done=len(done), completions=scan.completions, committed=0,
@@ -522,6 +521,12 @@ def _row_n_hint(row, config: JobConfig) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else config.n
 
 
+def _row_done(rid: str, row, config: JobConfig, done) -> bool:
+    """Whether every completion the row asks for is committed (its n read
+    without preparing it)."""
+    return all((rid, j) in done for j in range(_row_n_hint(row, config)))
+
+
 def _work(source, config, preparer, done, rank, world, stop, stuck: list) -> Iterator[Work | RowError]:
     """Rows still to do, prepared, in dataset order (stops when asked, or
     when the chat template is stuck: the error goes into ``stuck``)."""
@@ -529,7 +534,7 @@ def _work(source, config, preparer, done, rank, world, stop, stuck: list) -> Ite
         if config.limit is not None and row.index >= config.limit:
             return
         rid, error = preparer.claim_id(row)
-        if row_owner(rid, world) != rank or all((rid, j) in done for j in range(_row_n_hint(row, config))):
+        if row_owner(rid, world) != rank or _row_done(rid, row, config, done):
             continue
         if stop.requested:
             return

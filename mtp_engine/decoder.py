@@ -295,12 +295,10 @@ class Decoder:
             row.finisher.add(tokens)
             if row.finisher.done:
                 done.append(b)
-        want = [b for b, r in enumerate(rows) if r.logprobs is not None and not r.ghost]
-        if want:  # from the verify forward's logits at the winning path's positions
-            logits = v.logits[mx.array([v.winners[b] for b in want], dtype=mx.int32)]
-            for b, entries in zip(want, token_logprobs(logits, [params[b] for b in want], [v.emitted[b] for b in want],
-                                                       [rows[b].logprobs for b in want])):
-                rows[b].lp += entries
+        # log-probabilities from the verify forward's logits at the winning path's positions
+        self._record_logprobs([b for b, r in enumerate(rows) if r.logprobs is not None and not r.ghost],
+                              lambda want: v.logits[mx.array([v.winners[b] for b in want], dtype=mx.int32)],
+                              v.emitted)
         self.drafter.commit(v.hidden, v.emitted, v.winners)
         self.hooks.lap("head_commit")
         if self.controller is not None:
@@ -360,15 +358,23 @@ class Decoder:
                 row.finisher.add(tokens[b])
                 if row.finisher.done:
                     done.append(b)
-        want = [b for b, r in enumerate(rows) if self._fed[b] and r.logprobs is not None and not r.ghost]
-        if want and self._ahead_logits is not None:
-            logits = self._ahead_logits[mx.array(want, dtype=mx.int32)]
-            for b, entries in zip(want, token_logprobs(logits, [rows[b].sampling for b in want],
-                                                       [tokens[b] for b in want], [rows[b].logprobs for b in want])):
-                rows[b].lp += entries
+        if self._ahead_logits is not None:
+            self._record_logprobs([b for b, r in enumerate(rows) if self._fed[b] and r.logprobs is not None
+                                   and not r.ghost],
+                                  lambda want: self._ahead_logits[mx.array(want, dtype=mx.int32)], tokens)
         if self._ahead_hidden is not None:
             self.drafter.extend(self._ahead_hidden, [tokens[b] if fed else [] for b, fed in enumerate(self._fed)])
         return done
+
+    def _record_logprobs(self, want: list[int], logits_of, tokens: list[list[int]]) -> None:
+        """Append to each row ``b`` of ``want`` its ``tokens[b]``'s
+        log-probabilities (`token_logprobs`) from ``logits_of(want)``."""
+        if not want:
+            return
+        rows = self.rows
+        for b, entries in zip(want, token_logprobs(logits_of(want), [rows[b].sampling for b in want],
+                                                   [tokens[b] for b in want], [rows[b].logprobs for b in want])):
+            rows[b].lp += entries
 
     def _flush(self) -> list[int]:
         """Before a speculative step: emit the dispatched plain step's
