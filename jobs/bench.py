@@ -9,6 +9,15 @@ each run's completion tokens per second over the job's whole wall time
 mode's runs, whether every mode wrote the first mode's completions, and, for
 mode "auto", the depths its controller chose. The model load is not timed
 (each job would pay it once).
+
+``--synthetic 80b --acceptance-profile 0.93,0.82,0.64`` runs the job on a
+random-weight model of those shapes (`mtp_engine.tools.synthetic`) over
+generated prompts of ``--prompt-tokens`` tokens: its costs are real, its
+acceptance would be 1.0, so each row's drafts are projected at the profile
+(`mtp_engine.tools.projection`, through the runner's ``make_drafter``) onto
+the row's tokens from the first mode's first run (plain batching). Every run
+then stores token ids (``logprobs=0``) so all pay the same. Such figures are
+"projected at profile X", never measured acceptance.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from pathlib import Path
 
 import datasets
 import mlx.core as mx
+import numpy as np
 import orjson
 
 from jobs.config import JobConfig
@@ -31,6 +41,8 @@ from jobs.runner import run_job
 from jobs.status import folder_state
 from mtp_engine import MTPEngine
 from mtp_engine.modes import MODES
+from mtp_engine.tools.projection import ProjectedDrafts, ProjectingDrafter, parse_profile
+from mtp_engine.tools.synthetic import SYNTHETIC, random_quantized_checkpoint
 
 
 def mode_spec(text: str) -> tuple[str, int | None, dict]:
@@ -50,15 +62,54 @@ def mode_spec(text: str) -> tuple[str, int | None, dict]:
     return name, int(k) if k else None, overrides
 
 
-def run_once(engine, dataset: str, model: str, output: Path, mode: str, temperature: float, args) -> dict:
+def synthetic_job(name: str, folder: Path, prompts: int, prompt_tokens: int, seed: int = 0):
+    """A random-weight engine of shapes ``name``, a model folder for the job
+    to identify it by (its config and tokenizer, no weights) and a JSONL
+    dataset of ``prompts`` random texts of about ``prompt_tokens`` tokens."""
+    checkpoint = random_quantized_checkpoint(SYNTHETIC[name]())
+    engine = MTPEngine(checkpoint)
+    model = folder / f"synthetic-{name}"
+    model.mkdir(parents=True)
+    (model / "config.json").write_bytes(orjson.dumps(checkpoint.config))
+    engine.tokenizer._tokenizer.save_pretrained(str(model))
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz     .,;:()=+-_\n0123456789"))
+    lines = []
+    for i in range(prompts):
+        text = "".join(rng.choice(letters, size=prompt_tokens * 3))
+        ids = engine.tokenizer.encode(text)[:prompt_tokens]
+        lines.append(orjson.dumps({"id": f"p{i:05d}", "prompt": engine.tokenizer.decode(ids)}))
+    dataset = folder / f"synthetic-{prompts}x{prompt_tokens}.jsonl"
+    dataset.write_bytes(b"\n".join(lines) + b"\n")
+    return engine, str(model), str(dataset)
+
+
+def projecting(engine, profile, references: dict, greedy: bool):
+    """The runner's ``make_drafter``: the engine's chain drafter, each row's
+    drafts projected at ``profile`` onto ``references`` (id -> tokens); row
+    ``i`` of the references draws with seed ``i``, the same in every run."""
+    vocab = engine.text.args.vocab_size
+    def make():
+        inner = engine.make_drafter(engine.pick_drafter("chain", greedy=greedy))
+        return ProjectingDrafter(inner, {(row_id, 0): ProjectedDrafts(profile, tokens, vocab, seed=i)
+                                         for i, (row_id, tokens) in enumerate(sorted(references.items()))})
+    return make
+
+
+def run_once(engine, dataset: str, model: str, output: Path, mode: str, temperature: float, args,
+             references: dict | None = None) -> dict:
     name, k, overrides = mode_spec(mode)
     config = JobConfig(**{**dict(dataset=dataset, model=model, output=str(output), mode=name,
                                  max_tokens=args.max_tokens, batch_size=args.batch_size,
                                  draft_tokens=k or args.draft_tokens, limit=args.limit, temperature=temperature,
-                                 seed=args.seed), **overrides})
+                                 seed=args.seed), **({"logprobs": 0} if args.acceptance_profile else {}),
+                          **overrides})
+    make_drafter = None
+    if references is not None and name != "baseline":
+        make_drafter = projecting(engine, args.acceptance_profile, references, greedy=temperature == 0)
     log = io.StringIO()
     start = time.perf_counter()
-    summary = run_job(config, engine=engine, stream=log)
+    summary = run_job(config, engine=engine, stream=log, make_drafter=make_drafter)
     wall = time.perf_counter() - start
     rows = datasets.load_from_disk(str(output))
     depths = [0] * (config.draft_tokens + 1)
@@ -71,7 +122,8 @@ def run_once(engine, dataset: str, model: str, output: Path, mode: str, temperat
             "tok_s": round(summary.tokens / wall, 1), "warmup_s": round(totals.warmup_s, 3),
             "controller": next((line for line in lines if line.startswith("auto:")), None),
             "prefixes": next((line for line in lines if line.startswith("prefixes:")), None),
-            "completions": {r["id"]: r["completion"] for r in rows}, "depths": depths if name == "auto" else None}
+            "completions": {r["id"]: r["token_ids"] or r["completion"] for r in rows},
+            "depths": depths if name == "auto" else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,17 +140,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-tokens", type=int, default=3)
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0], help="0: greedy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--synthetic", choices=sorted(SYNTHETIC),
+                   help="a random 4-bit model of these shapes over generated prompts (costs only: pair with "
+                        "--acceptance-profile); --dataset and --model are then not read")
+    p.add_argument("--acceptance-profile", type=parse_profile,
+                   help="project drafts at this cumulative profile (e.g. 0.93,0.82,0.64) onto the first mode's "
+                        "first run's tokens; the first mode must be baseline")
+    p.add_argument("--prompts", type=int, default=64, help="with --synthetic: how many prompts")
+    p.add_argument("--prompt-tokens", type=int, default=1024, help="with --synthetic: tokens per prompt")
     p.add_argument("--json", help="write the report here")
     args = p.parse_args(argv)
-    engine = MTPEngine.load(args.model)
+    if args.acceptance_profile:
+        if mode_spec(args.modes[0])[0] != "baseline":
+            p.error("--acceptance-profile needs baseline as the first mode (its tokens are the projection's)")
+        other = [m for m in args.modes if mode_spec(m)[0] not in ("baseline", "chain", "auto")]
+        if other:
+            p.error(f"--acceptance-profile projects chain drafts: modes baseline, chain and auto, not {other[0]}")
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
+        if args.synthetic:
+            engine, args.model, args.dataset = synthetic_job(args.synthetic, Path(tmp), args.prompts,
+                                                             args.prompt_tokens, args.seed)
+        else:
+            engine = MTPEngine.load(args.model)
         for temperature in args.temperatures:
+            references = None
             for r in range(args.rounds):
                 order = args.modes[r % len(args.modes):] + args.modes[: r % len(args.modes)]
                 for mode in order:
                     out = Path(tmp) / f"{mode}-{temperature}-{r}"
-                    run = run_once(engine, args.dataset, args.model, out, mode, temperature, args)
+                    run = run_once(engine, args.dataset, args.model, out, mode, temperature, args, references)
+                    if args.acceptance_profile and references is None:
+                        references = run["completions"]  # the first baseline run's tokens
                     run["round"] = r
                     runs.append(run)
                     print(f"T={temperature} round {r + 1}/{args.rounds} {mode}: {run['tok_s']} tok/s "
@@ -122,7 +195,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"T={temperature} {mode:>10}: {rate:8.1f} tok/s  {rate / ref_rate:5.2f}x  rounds "
                   f"{[run['tok_s'] for run in mine]}  same rows: {same}"
                   + (f"  depths chosen {depths}" if depths else ""))
+    label = f"projected at profile {','.join(map(str, args.acceptance_profile))}" if args.acceptance_profile else None
+    if label:
+        print(f"({label}: drafts are the true continuation kept with the profile's probabilities, not measured)")
     report = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "device": str(mx.default_device()),
+              "model": f"synthetic {args.synthetic} (random 4-bit weights)" if args.synthetic else args.model,
+              "acceptance": label or "measured",
               "settings": {k: v for k, v in vars(args).items() if k != "json"}, "summary": summary,
               "runs": [{k: v for k, v in run.items() if k != "completions"} for run in runs]}
     if args.json:

@@ -215,6 +215,7 @@ def run_job(
     ranks: Ranks = Ranks(),
     engine: MTPEngine | None = None,
     stream=None,
+    make_drafter=None,
 ) -> JobSummary:
     """Run (or resume) a generation job.
 
@@ -224,6 +225,9 @@ def run_job(
             hash of their id; rank 0 holds the folder's lock).
         engine: An already loaded engine for ``config.model`` (tests).
         stream: Where progress goes (default stderr).
+        make_drafter: Makes the drafter of the job's decoder (benchmarks:
+            drafts projected at an acceptance profile, `jobs.bench`);
+            default the engine's choice.
 
     Raises:
         FileNotFoundError, ValueError (bad model, dataset or configuration),
@@ -248,7 +252,7 @@ def run_job(
     manifest = build_manifest(config, engine.tokenizer, source, scan, world, version)
     try:
         _open_folder(out, config, manifest, ranks)
-        return _run(config, engine, source, scan, out, ranks, stream, log, version)
+        return _run(config, engine, source, scan, out, ranks, stream, log, version, make_drafter)
     except OSError as e:
         raise OutputError(_os_error_message(e, out)) from None
     finally:
@@ -384,7 +388,7 @@ def _os_error_message(e: OSError, out: OutputFolder) -> str:
     return f"cannot write to {out.path}: {what}{where}{'; ' + hint if hint else ''}. {kept}"
 
 
-def _run(config, engine, source, scan, out, ranks, stream, log, version) -> JobSummary:
+def _run(config, engine, source, scan, out, ranks, stream, log, version, make_drafter=None) -> JobSummary:
     rank, world = ranks.rank, ranks.world
     progress_log = lambda m: progress.log(m)  # noqa: E731  (progress is made below)
     preparer = Preparer(config, engine.tokenizer, engine.context_length, reserved_ids=scan.ids,
@@ -430,7 +434,7 @@ def _run(config, engine, source, scan, out, ranks, stream, log, version) -> JobS
         work = _work(source, config, preparer, out.done, rank, world, stop, stuck)
         try:
             _decode(engine, config, work, finish, stop, log=progress.log, info=progress.info, warmed=buffer.warmed,
-                report=progress.report)
+                report=progress.report, make_drafter=make_drafter)
             buffer.flush()
         except BaseException:
             progress.close("failed")
@@ -611,13 +615,13 @@ def _alone(engine, config, item: Work, finish, attempts: int = 2) -> None:
 
 
 def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lambda seconds: None,
-            report=lambda name, value: None) -> None:
+            report=lambda name, value: None, make_drafter=None) -> None:
     """Rows decoded ``batch_size`` at once (`mtp_engine.decoder`): as one
     finishes, the next joins; a prompt's completions share its prefill. If
     a whole batch fails, its rows are redone in batches of their own, and
     after `BATCH_FAILURES_BEFORE_FALLBACK` such failures in a row every
     prompt is."""
-    decoder = Decoder(engine, config.decode_config())
+    decoder = Decoder(engine, config.decode_config(), drafter=make_drafter() if make_drafter else None)
     prefixes = None
     if config.prefix_sharing:
         budget = int(config.prefix_cache_gb * 2**30) if config.prefix_cache_gb else default_budget_bytes()
