@@ -5,8 +5,8 @@
 # its result file into $OUT (default benchmarks/results); copy them into
 # benchmarks/results/ to make them current.
 #
-#   bash benchmarks/h200.sh tests      # the GPU-only tests (kernels on the device, RoPE launches, quantized products), batched /
-#                                      # sampled exactness on CUDA (~5 min warm, more cold)
+#   bash benchmarks/h200.sh tests      # the GPU-only tests (kernels on the device, RoPE launches, quantized products) and
+#                                      # sampled exactness on CUDA; tests-decoder: batched exactness (one call each)
 #   bash benchmarks/h200.sh shipped    # shipped model, bf16, every chain depth one prompt at a time -> h200-shipped.json
 #   bash benchmarks/h200.sh dataset    # shipped model over a dataset: plain, single chain, mlx-lm and our batching,
 #                                      # batched chains B=8..32 K=1..4, all prompts then loop-free -> h200-dataset*.json
@@ -16,6 +16,11 @@
 #                                      # decoding (python -m jobs audit) -> h200-audit-MODE.json
 #   bash benchmarks/h200.sh job        # shipped model, a 64-prompt x 96-token job end to end: plain batching, auto,
 #                                      # batched chain K=3 at B=32, greedy and T=0.7 (python -m jobs.bench) -> h200-job.json
+#   bash benchmarks/h200.sh job-80b    # the runner end to end on Qwen3-Next-80B-A3B shapes (random 4-bit weights,
+#                                      # generated 1K-token prompts x 256 new tokens, drafts projected at 0.93,0.82,0.64):
+#                                      # plain batching vs auto; 64 prompts at B=32, 2 rounds; job-80b-b8: 32 at B=8;
+#                                      # job-80b-sampled: T=0.8; job-80b-weak: profile 0.70,0.45,0.27 (one call each)
+#                                      # -> GPU-job-80b*.json (GPU: h200 or h100)
 #   bash benchmarks/h200.sh 80b        # Qwen3-Next-80B-A3B shapes, random 4-bit weights, 1K-token prompts x 128 new
 #   bash benchmarks/h200.sh 80b-b8     # tokens, drafts projected at profile 0.93,0.82,0.64: B=32; B=8; single chains
 #   bash benchmarks/h200.sh 80b-depths # K=3..8 (one call each) -> h200-80b.json, h200-80b-b8.json, h200-80b-depths.json
@@ -41,13 +46,13 @@ mkdir -p "$out"
 export PYTHONPATH=/root/site:$PWD
 bench="python3 -u -m mtp_engine.bench"
 
-case "${1:?tests, shipped, dataset, sampling, lossless, job, audit, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
+case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audit, job-80b, job-80b-b8, job-80b-sampled, job-80b-weak, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
     timeout "${LIMIT:-480}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
       tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/model/test_dispatch.py tests/mtp_engine/model/test_rope.py \
-      tests/mtp_engine/model/test_quantized.py \
-      tests/mtp_engine/test_decoder.py tests/mtp_engine/test_sampling.py \
-      2>&1 | tail -15 ;;
+      tests/mtp_engine/model/test_quantized.py tests/mtp_engine/test_sampling.py 2>&1 | tail -15 ;;
+  tests-decoder)
+    timeout "${LIMIT:-540}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/test_decoder.py 2>&1 | tail -15 ;;
   shipped)
     timeout "${LIMIT:-300}" $bench --limit 8 --max-tokens 64 --rounds 3 \
       --modes baseline mlx_lm chain-k2 chain-k3 chain-k4 chain-k6 chain-k8 --batch-sizes \
@@ -75,6 +80,17 @@ case "${1:?tests, shipped, dataset, sampling, lossless, job, audit, 80b, 80b-b8,
         --output "/tmp/audit-$mode" --overwrite --limit 64 --max-tokens 96 --mode "$mode" 2>&1 | tail -1
       timeout "${LIMIT:-90}" python3 -m jobs audit "/tmp/audit-$mode" --json "$out/h200-audit-$mode.json" | tail -1
     done ;;
+  job-80b|job-80b-b8|job-80b-sampled|job-80b-weak)
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo h200 || echo h100)
+    profile=0.93,0.82,0.64; args="--prompts 64 --batch-size 32"; rounds=1
+    case "$1" in
+      job-80b) rounds=2 ;;
+      job-80b-b8) args="--prompts 32 --batch-size 8" ;;
+      job-80b-sampled) args="$args --temperatures 0.8" ;;
+      job-80b-weak) profile=0.70,0.45,0.27 ;;
+    esac
+    timeout "${LIMIT:-560}" python3 -u -m jobs.bench --synthetic 80b --prompt-tokens 1024 --max-tokens 256 \
+      --modes baseline auto --rounds $rounds --acceptance-profile $profile $args --json "$out/$gpu-$1.json" ;;
   80b|80b-b8|80b-depths|80b-phases|80b-8k)
     # The issue's target settings: prompts of 1K tokens x 128 new tokens, drafts projected at profile
     # 0.93,0.82,0.64. 80b: 32 prompts at B=32, K=3 and auto (~210 s); 80b-b8: 16 prompts at B=8 (~140 s); the batched
