@@ -19,7 +19,8 @@
 #   bash benchmarks/h200.sh job-80b    # the runner end to end on Qwen3-Next-80B-A3B shapes (random 4-bit weights,
 #                                      # generated 1K-token prompts x 256 new tokens, drafts projected at 0.93,0.82,0.64):
 #                                      # plain batching vs auto; 64 prompts at B=32, 2 rounds; job-80b-b8: 32 at B=8;
-#                                      # job-80b-sampled: T=0.8; job-80b-weak: profile 0.70,0.45,0.27 (one call each)
+#                                      # job-80b-sampled: T=0.8; job-80b-weak: profile 0.70,0.45,0.27; job-80b-falling:
+#                                      # 32 prompts x 1024 tokens, 0.70,0.45,0.27 from token 512 on (one call each)
 #                                      # -> GPU-job-80b*.json (GPU: h200 or h100)
 #   bash benchmarks/h200.sh 80b        # Qwen3-Next-80B-A3B shapes, random 4-bit weights, 1K-token prompts x 128 new
 #   bash benchmarks/h200.sh 80b-b8     # tokens, drafts projected at profile 0.93,0.82,0.64: B=32; B=8; single chains
@@ -46,7 +47,7 @@ mkdir -p "$out"
 export PYTHONPATH=/root/site:$PWD
 bench="python3 -u -m mtp_engine.bench"
 
-case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audit, job-80b, job-80b-b8, job-80b-sampled, job-80b-weak, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
+case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audit, job-80b, job-80b-b8, job-80b-sampled, job-80b-weak, job-80b-falling, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
     timeout "${LIMIT:-480}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
       tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/model/test_dispatch.py tests/mtp_engine/model/test_rope.py \
@@ -80,7 +81,7 @@ case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audi
         --output "/tmp/audit-$mode" --overwrite --limit 64 --max-tokens 96 --mode "$mode" 2>&1 | tail -1
       timeout "${LIMIT:-90}" python3 -m jobs audit "/tmp/audit-$mode" --json "$out/h200-audit-$mode.json" | tail -1
     done ;;
-  job-80b|job-80b-b8|job-80b-sampled|job-80b-weak)
+  job-80b|job-80b-b8|job-80b-sampled|job-80b-weak|job-80b-falling)
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo h200 || echo h100)
     profile=0.93,0.82,0.64; args="--prompts 64 --batch-size 32"; rounds=1
     case "$1" in
@@ -88,6 +89,7 @@ case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audi
       job-80b-b8) args="--prompts 32 --batch-size 8" ;;
       job-80b-sampled) args="$args --temperatures 0.8" ;;
       job-80b-weak) profile=0.70,0.45,0.27 ;;
+      job-80b-falling) args="--prompts 32 --batch-size 32 --profile-after 512:0.70,0.45,0.27 --max-tokens 1024" ;;
     esac
     timeout "${LIMIT:-560}" python3 -u -m jobs.bench --synthetic 80b --prompt-tokens 1024 --max-tokens 256 \
       --modes baseline auto --rounds $rounds --acceptance-profile $profile $args --json "$out/$gpu-$1.json" ;;

@@ -41,7 +41,7 @@ from jobs.runner import run_job
 from jobs.status import folder_state
 from mtp_engine import MTPEngine
 from mtp_engine.modes import MODES
-from mtp_engine.tools.projection import ProjectedDrafts, ProjectingDrafter, parse_profile
+from mtp_engine.tools.projection import ProjectedDrafts, ProjectingDrafter, parse_later, parse_profile
 from mtp_engine.tools.synthetic import SYNTHETIC, random_quantized_checkpoint
 
 
@@ -60,6 +60,16 @@ def mode_spec(text: str) -> tuple[str, int | None, dict]:
             raise argparse.ArgumentTypeError(f"{setting!r} in {text!r} is not SETTING=VALUE of a job setting")
         overrides[key] = orjson.loads(value) if value not in ("", "none") else None
     return name, int(k) if k else None, overrides
+
+
+def _argument(parse):
+    """``parse`` as an argparse type whose ValueError is the message."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return convert
 
 
 def synthetic_job(name: str, folder: Path, prompts: int, prompt_tokens: int, seed: int = 0):
@@ -84,14 +94,16 @@ def synthetic_job(name: str, folder: Path, prompts: int, prompt_tokens: int, see
     return engine, str(model), str(dataset)
 
 
-def projecting(engine, profile, references: dict, greedy: bool):
+def projecting(engine, profile, references: dict, greedy: bool, later=None):
     """The runner's ``make_drafter``: the engine's chain drafter, each row's
-    drafts projected at ``profile`` onto ``references`` (id -> tokens); row
-    ``i`` of the references draws with seed ``i``, the same in every run."""
+    drafts projected at ``profile`` (``later``: another from some new token
+    on) onto ``references`` (id -> tokens); row ``i`` of the references
+    draws with seed ``i``, the same in every run."""
     vocab = engine.text.args.vocab_size
+
     def make():
         inner = engine.make_drafter(engine.pick_drafter("chain", greedy=greedy))
-        return ProjectingDrafter(inner, {(row_id, 0): ProjectedDrafts(profile, tokens, vocab, seed=i)
+        return ProjectingDrafter(inner, {(row_id, 0): ProjectedDrafts(profile, tokens, vocab, seed=i, later=later)
                                          for i, (row_id, tokens) in enumerate(sorted(references.items()))})
     return make
 
@@ -106,7 +118,8 @@ def run_once(engine, dataset: str, model: str, output: Path, mode: str, temperat
                           **overrides})
     make_drafter = None
     if references is not None and name != "baseline":
-        make_drafter = projecting(engine, args.acceptance_profile, references, greedy=temperature == 0)
+        make_drafter = projecting(engine, args.acceptance_profile, references, greedy=temperature == 0,
+                                  later=args.profile_after)
     log = io.StringIO()
     start = time.perf_counter()
     summary = run_job(config, engine=engine, stream=log, make_drafter=make_drafter)
@@ -143,9 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--synthetic", choices=sorted(SYNTHETIC),
                    help="a random 4-bit model of these shapes over generated prompts (costs only: pair with "
                         "--acceptance-profile); --dataset and --model are then not read")
-    p.add_argument("--acceptance-profile", type=parse_profile,
+    p.add_argument("--acceptance-profile", type=_argument(parse_profile),
                    help="project drafts at this cumulative profile (e.g. 0.93,0.82,0.64) onto the first mode's "
                         "first run's tokens; the first mode must be baseline")
+    p.add_argument("--profile-after", type=_argument(parse_later), metavar="N:PROFILE",
+                   help="with --acceptance-profile: from N new tokens on, project at PROFILE instead "
+                        "(acceptance that falls with context)")
     p.add_argument("--prompts", type=int, default=64, help="with --synthetic: how many prompts")
     p.add_argument("--prompt-tokens", type=int, default=1024, help="with --synthetic: tokens per prompt")
     p.add_argument("--json", help="write the report here")
@@ -195,7 +211,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"T={temperature} {mode:>10}: {rate:8.1f} tok/s  {rate / ref_rate:5.2f}x  rounds "
                   f"{[run['tok_s'] for run in mine]}  same rows: {same}"
                   + (f"  depths chosen {depths}" if depths else ""))
-    label = f"projected at profile {','.join(map(str, args.acceptance_profile))}" if args.acceptance_profile else None
+    label = None
+    if args.acceptance_profile:
+        label = f"projected at profile {','.join(map(str, args.acceptance_profile))}"
+        if args.profile_after:
+            label += f", from {args.profile_after[0]} new tokens {','.join(map(str, args.profile_after[1]))}"
     if label:
         print(f"({label}: drafts are the true continuation kept with the profile's probabilities, not measured)")
     report = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "device": str(mx.default_device()),

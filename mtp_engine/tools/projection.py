@@ -8,7 +8,9 @@ tokens are replaced by the true greedy continuation (from a plain run of the
 same prompt), each position kept with the conditional probability a
 cumulative acceptance profile implies: with profile ``(p1, p2, p3)``, draft
 1 is right with probability p1, draft 2 with p2/p1 given draft 1 was, and so
-on, the last ratio repeating past the profile's end. From the first draft that
+on, the last ratio repeating past the profile's end; a second profile may
+take over past a number of new tokens (acceptance that falls with
+context). From the first draft that
 is not kept on, drafts are wrong tokens. The verify forward still decides every
 emitted token, so the output equals plain decoding; figures made this way
 are labelled "projected at profile X", never measured acceptance.
@@ -33,6 +35,18 @@ def parse_profile(text: str) -> tuple[float, ...]:
     return values
 
 
+def _conditional(profile: tuple[float, ...]) -> list[float]:
+    return [profile[0]] + [b / a for a, b in zip(profile, profile[1:])]
+
+
+def parse_later(text: str) -> tuple[int, tuple[float, ...]]:
+    """``"512:0.70,0.45,0.27"``: from 512 new tokens on, that profile."""
+    after, sep, profile = text.partition(":")
+    if not sep or not after.isdigit():
+        raise ValueError(f"a later profile is NEW_TOKENS:PROFILE (e.g. 512:0.70,0.45,0.27), got {text!r}")
+    return int(after), parse_profile(profile)
+
+
 class ProjectedDrafts:
     """Replaces one prompt's drafts by its true continuation at a profile.
 
@@ -41,17 +55,23 @@ class ProjectedDrafts:
         reference: The prompt's plain greedy continuation (its tokens).
         vocab: Vocabulary size (wrong tokens are drawn from it).
         seed: Seeds the keep/drop draws.
+        later: ``(after, profile)``: drafts for positions from ``after``
+            new tokens on draw with this profile instead.
     """
 
-    def __init__(self, profile: tuple[float, ...], reference: list[int], vocab: int, seed: int = 0):
-        self.conditional = [profile[0]] + [b / a for a, b in zip(profile, profile[1:])]
+    def __init__(self, profile: tuple[float, ...], reference: list[int], vocab: int, seed: int = 0,
+                 later: tuple[int, tuple[float, ...]] | None = None):
+        self.conditional = _conditional(profile)
+        self.after, self.later = (later[0], _conditional(later[1])) if later else (None, None)
         self.reference = list(reference)
         self.vocab = vocab
         self.rng = np.random.default_rng(seed)
 
-    def keep_probability(self, j: int) -> float:
-        """Probability that draft ``j`` (from 0) is right given the earlier ones were."""
-        return self.conditional[min(j, len(self.conditional) - 1)]
+    def keep_probability(self, j: int, emitted: int = 0) -> float:
+        """Probability that draft ``j`` (from 0) after ``emitted`` new tokens
+        is right given the earlier ones were."""
+        table = self.later if self.after is not None and emitted >= self.after else self.conditional
+        return table[min(j, len(table) - 1)]
 
     def drafts(self, k: int, emitted: int) -> list[int]:
         """``k`` drafts that follow ``emitted`` generated tokens (the last of
@@ -64,7 +84,7 @@ class ProjectedDrafts:
         for j in range(k):
             position = emitted + j
             true = self.reference[position] if position < len(self.reference) else 0
-            missed = missed or self.rng.random() >= self.keep_probability(j)
+            missed = missed or self.rng.random() >= self.keep_probability(j, emitted)
             out.append((true + 1) % self.vocab if missed else true)
         return out
 
