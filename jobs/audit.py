@@ -12,8 +12,17 @@ dataset and settings (the manifest's), and each row is reported as
   float32, 4 units in the last place of the top logit in bfloat16 or
   float16). A verify forward over several tokens and a one-token forward
   add in different orders, so on such a tie they may choose differently;
-- **diverged**: anything else (exit status 1), including every divergence
-  of a sampled row (the exact sampler's draw is not classified);
+- **batched**: not plain decoding's text, but plain *batching*'s: the row
+  decoded again without drafts among the sample's other rows, at the job's
+  batch size, gives the stored completion. In bfloat16 on a GPU a batch
+  computes some products with other kernels and reduction orders than one
+  row does (a flipped MoE route upstream can move the logits well past a
+  near-tie), so plain batching parts from one-row decoding on its own; such
+  a row tells nothing against speculation (in float32 the two agree: the
+  test suite checks plain batching against one-row decoding);
+- **diverged**: anything else (exit status 1), including a sampled row that
+  neither plain decoding nor plain batching gives (the exact sampler's
+  draw is not classified further);
 - **not auditable**: rows of the rejection sampler, whose tokens depend on
   the draft depth by design.
 """
@@ -35,7 +44,7 @@ from jobs.prompts import Preparer, Request
 from jobs.readers import PromptSource
 from jobs.runner import scan_dataset
 from mtp_engine import MTPEngine
-from mtp_engine.decoder import top_logits
+from mtp_engine.decoder import Decoder, top_logits
 from mtp_engine.modes import DecodeConfig
 from mtp_engine.tools.lossless import engine_tops, near_tie_bound
 
@@ -51,7 +60,7 @@ class RowAudit:
 
     id: str
     sample: int
-    verdict: str  # identical | near-tie | diverged | not auditable
+    verdict: str  # identical | near-tie | batched | diverged | not auditable
     position: int | None = None
     gap: float | None = None
     bound: float | None = None
@@ -74,7 +83,8 @@ class AuditReport:
 
     def summary(self) -> str:
         return (f"audited {len(self.audited)} of {self.rows} completed rows: {self.count('identical')} identical, "
-                f"{self.count('near-tie')} parted at a numerical near-tie, {self.count('diverged')} diverged, "
+                f"{self.count('near-tie')} parted at a numerical near-tie, {self.count('batched')} as plain batching "
+                f"gives them, {self.count('diverged')} diverged, "
                 f"{self.count('not auditable')} not auditable")
 
 
@@ -108,13 +118,42 @@ def audit_folder(folder: Path, sample: int | None = None, seed: int = 0, dataset
                                       options=config.engine_options())
     requests = _requests(config, engine, source, {r["id"] for r in rows}, manifest.get("schema_version") or 1)
     dtype = engine.model(mx.array([[0]])).dtype  # the precision the logits are computed in
+    lines = []
     for row in rows:
         req = requests.get(row["id"])
         result = (RowAudit(row["id"], row["sample"], "diverged", note="the dataset no longer gives this row")
                   if req is None else audit_row(engine, req, row, dtype))
         report.audited.append(result)
+        lines.append(row)
         log(result.line())
+    recheck = [i for i, a in enumerate(report.audited) if a.verdict == "diverged" and lines[i]["id"] in requests]
+    if recheck and config.batch_size > 1:
+        batched = plain_batching(engine, requests, [lines[i] for i in recheck], lines, config.batch_size)
+        for i, text in zip(recheck, batched):
+            if text == (lines[i]["completion"] or ""):
+                a = report.audited[i]
+                a.verdict, a.note = "batched", f"plain batching at B={config.batch_size} gives it"
+                log("re-checked: " + a.line())
     return report
+
+
+def plain_batching(engine: MTPEngine, requests: dict[str, Request], rows: list[dict], others: list[dict],
+                   batch_size: int) -> list[str]:
+    """Plain batching's text for each of ``rows``, decoded ``batch_size`` at
+    a time without drafts, with enough of ``others`` (the sample's other
+    rows, decoded alike and not returned) that they start among as many rows
+    as in the job."""
+    fill = [r for r in others if r not in rows]
+    order = list(rows) + fill[: max(0, batch_size - len(rows))]
+    decoder = Decoder(engine, DecodeConfig(mode="baseline", batch_size=batch_size))
+    for n, row in enumerate(order):
+        req = requests[row["id"]]
+        decoder.add(n, req.prompt_ids, [req.sample_params(row["sample"])], max_tokens=req.max_tokens,
+                    stop=list(req.stop) or None)
+    results = {}
+    while decoder.pending:
+        results.update(decoder.step())
+    return [results[(n, 0)].text for n in range(len(rows))]
 
 
 def _requests(config: JobConfig, engine: MTPEngine, source: PromptSource, wanted: set[str],
