@@ -1,39 +1,27 @@
 """The decoder: continuous batching of rows that decode plainly or speculate
-together. `MTPEngine.generate` is a batch of one, `generate_samples` n rows
-of one prompt, `generate_batch` many prompts; the job runner drives it too.
+together (every `MTPEngine` call and the job runner decode through it).
 
 Up to ``batch_size`` rows are in flight. A prompt joins after its prefill
-(chunks of ``prefill_step_size`` tokens into batch-of-one caches, then copied
-into the batch's caches: one row per sample, all sharing the prefill). A
-row's result is returned as soon as it finishes (EOS, a stop string, its
-token budget); its place stays, a *ghost* that steps on unread, until the
-next prompt takes it or the live rows fit a smaller bucket of `buckets`, so
-the steps' shapes come from a small set (`warm_up` meets them all). Each step:
+(batch-of-one caches, copied into the batch's: one row per sample). A row's
+result is returned as soon as it finishes; its place stays, a *ghost* that
+steps on unread, until the next prompt takes it or the live rows fit a
+smaller bucket of `buckets`, so the steps' shapes come from a small set
+(`warm_up` meets them all). Each step:
 
-1. **Draft**: the drafter (`mtp_engine.drafters`) proposes each row's paths
-   (one for chains, several for trees), at most K deep, a row near its
-   budget using only the drafts it can emit.
-2. **Verify**: one trunk forward over every path's ``[x, drafts]`` that
-   captures per-token recurrent states (`mtp_engine.verify`).
-3. **Accept and commit**: each row keeps its best path's accepted prefix and
-   emits it plus a bonus token; attention caches keep those inputs (the rest
-   become holes no later query attends: `mtp_engine.cache.batch`),
-   recurrent caches take, per row, the state after its last one; the
-   drafter queues each row's accepted pairs.
+1. **Draft**: the drafter (`mtp_engine.drafters`) proposes each row's paths,
+   at most K deep, a row near its budget using only the drafts it can emit.
+2. **Verify**: one trunk forward over every path's ``[x, drafts]``
+   (`mtp_engine.verify`).
+3. **Accept and commit**: each row keeps its best path's accepted prefix plus
+   a bonus token in its caches (`mtp_engine.cache.batch`); the drafter
+   queues each row's accepted pairs.
 
 In mode "baseline" a step is plain decoding, one token per row, pipelined as
 mlx-lm's ``generate_step``: the next forward is dispatched before this
 step's tokens are read back. In mode "auto" the controller
 (`mtp_engine.controller`) chooses before every step how many drafts it
-verifies, 0 making it such a plain step (whose pairs the head consumes at
-the next draft). Every row's tokens equal plain decoding of its
-prompt alone: rows never see each other's entries, and each row's state is
-the one its own inputs give.
-
-Where a mode cannot run with other rows: the C++ drafter drafts chains and
-adaptive chains, greedy; the CUDA chain kernel drafts for a batch of one
-row; every other batch, mode and sampler drafts with the MLX head
-(`mtp_engine.drafters.select`).
+verifies, 0 making it such a plain step. Every row's tokens equal plain
+decoding of its prompt alone: rows never see each other's entries.
 """
 
 from __future__ import annotations
@@ -230,13 +218,11 @@ class Decoder:
             self._ended = None
             return finished
         joining = time.perf_counter() - entered  # admission is not the step's cost
-        if depth is None and not self.k:
-            depth = 0
-        elif depth is None and self.controller is None:
-            depth = self.k
-        elif depth is None:
+        if depth is None and self.controller is not None:
             live = [r for r in self.rows if not r.ghost]
             depth = self.controller.choose([r.acceptance for r in live], [r.budget for r in live], len(self.rows))
+        elif depth is None:
+            depth = self.k
         if depth:  # no more drafts than any row may still use
             depth = min(depth, max(r.budget for r in self.rows) - 1)
         rows = len(self.rows)

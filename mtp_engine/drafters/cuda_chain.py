@@ -1,6 +1,5 @@
 """Chain drafts from the CUDA chain kernel (`mtp_engine.kernels.cuda_chain`):
-a whole chain of K drafts in one launch, where the MLX head would launch
-about fifty kernels per draft step."""
+a whole chain of K drafts in one launch."""
 
 from __future__ import annotations
 
@@ -10,14 +9,8 @@ import mlx.nn as nn
 from mtp_engine.drafters.base import Proposal
 from mtp_engine.drafters.head import HeadDrafter
 from mtp_engine.drafters.head_weights import FLOATS, UnsupportedHead, head_weights
-from mtp_engine.kernels.cuda_chain import (
-    MAX_DRAFTS,
-    MAX_PENDING,
-    MAX_STEP_BYTES,
-    WEIGHT_ORDER,
-    ChainKernel,
-    availability,
-)
+from mtp_engine.kernels.cuda_chain import MAX_DRAFTS, MAX_PENDING, MAX_STEP_BYTES, WEIGHT_ORDER
+from mtp_engine.kernels.cuda_chain import ChainKernel, availability
 from mtp_engine.model.mtp_head import MTPHead
 from mtp_engine.modes import CHAINS
 
@@ -54,7 +47,6 @@ def kernel_weights(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> tuple
     if step_bytes > MAX_STEP_BYTES:
         raise UnsupportedHead(f"a draft step reads {step_bytes >> 20} MB, over the kernel's {MAX_STEP_BYTES >> 20} MB")
     return [mx.contiguous(named[name]) for name in WEIGHT_ORDER], config
-
 
 
 def build_chain_kernel(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> tuple[ChainKernel | None, str | None]:
