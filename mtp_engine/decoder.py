@@ -35,16 +35,13 @@ import mlx.core as mx
 from mtp_engine.cache.batch import BatchKVCache, append_row, filter_rows, make_batch_cache, replace_row, trim_leading
 from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.controller import Controller, RowAcceptance
+from mtp_engine.drafters.select import GREEDY_ONLY
 from mtp_engine.modes import CHAINS, DecodeConfig
 from mtp_engine.prefix import PrefixState, copy_caches
 from mtp_engine.sampling import MAX_LOGPROBS, SamplingParams, apply_penalties, choose, token_logprobs
 from mtp_engine.stopping import Finisher, stop_list
 from mtp_engine.verify import verify
 from schemas.records import GenerationResult, GenerationStats, StepTrace
-
-
-GREEDY_ONLY = ("cpp", "cuda")
-"""Drafters that draft greedily only."""
 
 
 class Hooks:
@@ -167,7 +164,8 @@ class Decoder:
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {logprobs!r}")
         if prefix is not None and not prefix.continues(ids):
-            raise ValueError(f"the prompt ({len(ids)} tokens) does not continue the prefix's {len(prefix)} tokens")
+            raise ValueError(f"the prompt ({len(ids)} tokens) does not start with the prefix's {len(prefix)} tokens "
+                             "and go on past them")
         self.queue.append(_Queued(key, ids, min(max_tokens, engine.context_length - len(ids)), stops,
                                   list(samples), trace, prefix, logprobs))
 

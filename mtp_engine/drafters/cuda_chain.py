@@ -71,10 +71,8 @@ class CudaChainDrafter(HeadDrafter):
     drafter's, so the two take turns on one state).
     """
 
-    def __init__(self, head: MTPHead, embed: nn.Module, lm_head, kernel, prefill_step_size: int = 2048):
-        # Not compiled: here the MLX head only consumes the pairs of a prompt
-        # ahead of its last when there are more than 16, once per generation;
-        # a `CompiledHead` would trace each such width for one use.
+    def __init__(self, head: MTPHead, embed: nn.Module, lm_head, prefill_step_size: int, kernel: ChainKernel):
+        # Not compiled: here the MLX head consumes only a long prompt's pairs, a width traced for one use.
         super().__init__(head, embed, lm_head, prefill_step_size)
         self.name = "cuda"
         self.kernel = kernel
