@@ -266,14 +266,11 @@ def make_batch_cache(model) -> list:
 
 
 def append_row(batch: list, row: list, rows_before: int) -> None:
-    """Add one prefilled row (batch-of-one caches from `make_main_cache`, or
-    `BatchKVCache`s of one row) to the batch's caches."""
+    """Add one prefilled row (batch-of-one caches from `make_main_cache`) to
+    the batch's caches."""
     for b, r in zip(batch, row):
         if isinstance(b, BatchKVCache):
-            if isinstance(r, BatchKVCache):
-                b.add_row(r.keys[..., : r.idx, :] if r.keys is not None else None, r.values, r.idx)
-            else:
-                b.add_row(r.keys, r.values, r.offset)
+            b.add_row(r.keys, r.values, r.offset)
         elif rows_before == 0:
             b.cache = list(r.cache)
         else:

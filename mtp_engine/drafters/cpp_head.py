@@ -8,7 +8,7 @@ only propose, so it need only draft the same tokens as the MLX head, not
 match it bit for bit.
 
 It serves chain and adaptive modes, greedy, when the model runs on the CPU in
-float32 and the head has the layout it knows (`head_weights`). On a GPU it is
+float32 and the head has the layout it knows (`mtp_engine.model.head_weights`). On a GPU it is
 opt-in (`EngineOptions.cpp_drafter_on_gpu`): the head then drafts on the
 host CPU from float32 copies while the GPU verifies.
 """
@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtp_engine.drafters.base import Proposal
-from mtp_engine.drafters.head_weights import FLOATS, UnsupportedHead, head_weights
+from mtp_engine.model.head_weights import FLOATS, UnsupportedHead, head_weights
 from mtp_engine.kernels.extensions import load_extension, unavailable_reason
 from mtp_engine.model.mtp_head import MTPHead
 

@@ -8,7 +8,7 @@ import mlx.nn as nn
 
 from mtp_engine.drafters.base import Proposal
 from mtp_engine.drafters.head import HeadDrafter
-from mtp_engine.drafters.head_weights import FLOATS, UnsupportedHead, head_weights
+from mtp_engine.model.head_weights import FLOATS, UnsupportedHead, head_weights
 from mtp_engine.kernels.cuda_chain import MAX_DRAFTS, MAX_PENDING, MAX_STEP_BYTES, WEIGHT_ORDER
 from mtp_engine.kernels.cuda_chain import ChainKernel, availability
 from mtp_engine.model.mtp_head import MTPHead
