@@ -390,8 +390,7 @@ class Decoder:
     def _admit(self) -> list[tuple[Hashable, GenerationResult]]:
         """Prefill queued prompts, one at a time, while the live rows and the
         prompt's samples fit the batch (a prompt with n samples needs n
-        places, or an empty batch). A joining row takes a ghost's place
-        (writing only its own slice of the caches) or a new one at the end."""
+        places, or an empty batch)."""
         finished = []
         replaced = False
         while self.queue and self._ready_for(self.queue[0].samples):
@@ -408,9 +407,7 @@ class Decoder:
 
     def _compact(self) -> None:
         """Drop ghosts down to the smallest of `buckets` that holds the live
-        rows: a finished row keeps its place until a joining row takes it or
-        the batch shrinks a bucket, so the steps' row counts come from a
-        small set (each new verify shape has a first-use cost on a GPU)."""
+        rows (each new verify shape has a first-use cost on a GPU)."""
         live = [b for b, r in enumerate(self.rows) if not r.ghost]
         size = min((n for n in self.buckets if n >= len(live)), default=len(live)) if live else 0
         if len(self.rows) > size:
@@ -425,13 +422,11 @@ class Decoder:
         engine = self.engine
         self.hooks.lap(None)
         t0 = time.perf_counter()
-        if q.prefix is None:
-            caches = make_main_cache(engine.model)
-            hidden, logits = engine.prefill(q.prompt, caches, keep_hidden=self.k > 0)
-        else:  # the prefix's caches, copied, then the row's own tokens
-            caches = copy_caches(q.prefix.caches)
-            hidden, logits = engine.prefill(q.prompt[len(q.prefix):], caches, keep_hidden=self.k > 0)
-            hidden = mx.concatenate([q.prefix.hidden, hidden], axis=1) if self.k else None
+        start = 0 if q.prefix is None else len(q.prefix)  # the prefix's caches, copied, then the row's own tokens
+        caches = make_main_cache(engine.model) if q.prefix is None else copy_caches(q.prefix.caches)
+        hidden, logits = engine.prefill(q.prompt[start:], caches, keep_hidden=self.k > 0)
+        if q.prefix is not None and self.k:
+            hidden = mx.concatenate([q.prefix.hidden, hidden], axis=1)
         self.hooks.lap("prefill")
         prefill_s = (time.perf_counter() - t0) / len(q.samples)
         firsts = choose(mx.concatenate([logits] * len(q.samples)), q.samples,

@@ -40,7 +40,7 @@ class PromptTooLongError(ValueError):
 
 class MTPEngine:
     """Loads a Qwen3-Next or Qwen3.5 checkpoint with its MTP head once; decodes prompts
-    with lossless greedy speculative decoding.
+    with lossless speculative decoding.
 
     Args:
         checkpoint: What `load_checkpoint` returned (its ``options`` hold

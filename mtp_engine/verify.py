@@ -120,7 +120,7 @@ def verify(trunk, lm_head, caches: list, xs: mx.array, proposal: Proposal, param
             row; a row with several paths is gathered into a row per path
             for the forward and back to its winner after it.
         xs: Each row's last emitted token, not yet fed, ``[R, 1]`` int32.
-        proposal: The drafts (plain steps are `Decoder._plain_step`'s).
+        proposal: The drafts.
         params: Each row's sampling.
         starts: Each row's generated position of the token ``x`` precedes.
         histories: Each row's generated tokens, for rows with penalties
