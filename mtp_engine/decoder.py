@@ -1,39 +1,27 @@
 """The decoder: continuous batching of rows that decode plainly or speculate
-together. `MTPEngine.generate` is a batch of one, `generate_samples` n rows
-of one prompt, `generate_batch` many prompts; the job runner drives it too.
+together (every `MTPEngine` call and the job runner decode through it).
 
 Up to ``batch_size`` rows are in flight. A prompt joins after its prefill
-(chunks of ``prefill_step_size`` tokens into batch-of-one caches, then copied
-into the batch's caches: one row per sample, all sharing the prefill). A
-row's result is returned as soon as it finishes (EOS, a stop string, its
-token budget); its place stays, a *ghost* that steps on unread, until the
-next prompt takes it or the live rows fit a smaller bucket of `buckets`, so
-the steps' shapes come from a small set (`warm_up` meets them all). Each step:
+(batch-of-one caches, copied into the batch's: one row per sample). A row's
+result is returned as soon as it finishes; its place stays, a *ghost* that
+steps on unread, until the next prompt takes it or the live rows fit a
+smaller bucket of `buckets`, so the steps' shapes come from a small set
+(`warm_up` meets them all). Each step:
 
-1. **Draft**: the drafter (`mtp_engine.drafters`) proposes each row's paths
-   (one for chains, several for trees), at most K deep, a row near its
-   budget using only the drafts it can emit.
-2. **Verify**: one trunk forward over every path's ``[x, drafts]`` that
-   captures per-token recurrent states (`mtp_engine.verify`).
-3. **Accept and commit**: each row keeps its best path's accepted prefix and
-   emits it plus a bonus token; attention caches keep those inputs (the rest
-   become holes no later query attends: `mtp_engine.cache.batch`),
-   recurrent caches take, per row, the state after its last one; the
-   drafter queues each row's accepted pairs.
+1. **Draft**: the drafter (`mtp_engine.drafters`) proposes each row's paths,
+   at most K deep, a row near its budget using only the drafts it can emit.
+2. **Verify**: one trunk forward over every path's ``[x, drafts]``
+   (`mtp_engine.verify`).
+3. **Accept and commit**: each row keeps its best path's accepted prefix plus
+   a bonus token in its caches (`mtp_engine.cache.batch`); the drafter
+   queues each row's accepted pairs.
 
 In mode "baseline" a step is plain decoding, one token per row, pipelined as
 mlx-lm's ``generate_step``: the next forward is dispatched before this
 step's tokens are read back. In mode "auto" the controller
 (`mtp_engine.controller`) chooses before every step how many drafts it
-verifies, 0 making it such a plain step (whose pairs the head consumes at
-the next draft). Every row's tokens equal plain decoding of its
-prompt alone: rows never see each other's entries, and each row's state is
-the one its own inputs give.
-
-Where a mode cannot run with other rows: the C++ drafter drafts chains and
-adaptive chains, greedy; the CUDA chain kernel drafts for a batch of one
-row; every other batch, mode and sampler drafts with the MLX head
-(`mtp_engine.drafters.select`).
+verifies, 0 making it such a plain step. Every row's tokens equal plain
+decoding of its prompt alone: rows never see each other's entries.
 """
 
 from __future__ import annotations
@@ -47,16 +35,13 @@ import mlx.core as mx
 from mtp_engine.cache.batch import BatchKVCache, append_row, filter_rows, make_batch_cache, replace_row, trim_leading
 from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.controller import Controller, RowAcceptance
+from mtp_engine.drafters.select import GREEDY_ONLY
 from mtp_engine.modes import CHAINS, DecodeConfig
 from mtp_engine.prefix import PrefixState, copy_caches
 from mtp_engine.sampling import MAX_LOGPROBS, SamplingParams, apply_penalties, choose, token_logprobs
 from mtp_engine.stopping import Finisher, stop_list
 from mtp_engine.verify import verify
 from schemas.records import GenerationResult, GenerationStats, StepTrace
-
-
-GREEDY_ONLY = ("cpp", "cuda")
-"""Drafters that draft greedily only."""
 
 
 class Hooks:
@@ -179,7 +164,8 @@ class Decoder:
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {logprobs!r}")
         if prefix is not None and not prefix.continues(ids):
-            raise ValueError(f"the prompt ({len(ids)} tokens) does not continue the prefix's {len(prefix)} tokens")
+            raise ValueError(f"the prompt ({len(ids)} tokens) does not start with the prefix's {len(prefix)} tokens "
+                             "and go on past them")
         self.queue.append(_Queued(key, ids, min(max_tokens, engine.context_length - len(ids)), stops,
                                   list(samples), trace, prefix, logprobs))
 
@@ -230,13 +216,11 @@ class Decoder:
             self._ended = None
             return finished
         joining = time.perf_counter() - entered  # admission is not the step's cost
-        if depth is None and not self.k:
-            depth = 0
-        elif depth is None and self.controller is None:
-            depth = self.k
-        elif depth is None:
+        if depth is None and self.controller is not None:
             live = [r for r in self.rows if not r.ghost]
             depth = self.controller.choose([r.acceptance for r in live], [r.budget for r in live], len(self.rows))
+        elif depth is None:
+            depth = self.k
         if depth:  # no more drafts than any row may still use
             depth = min(depth, max(r.budget for r in self.rows) - 1)
         rows = len(self.rows)
@@ -406,8 +390,7 @@ class Decoder:
     def _admit(self) -> list[tuple[Hashable, GenerationResult]]:
         """Prefill queued prompts, one at a time, while the live rows and the
         prompt's samples fit the batch (a prompt with n samples needs n
-        places, or an empty batch). A joining row takes a ghost's place
-        (writing only its own slice of the caches) or a new one at the end."""
+        places, or an empty batch)."""
         finished = []
         replaced = False
         while self.queue and self._ready_for(self.queue[0].samples):
@@ -424,9 +407,7 @@ class Decoder:
 
     def _compact(self) -> None:
         """Drop ghosts down to the smallest of `buckets` that holds the live
-        rows: a finished row keeps its place until a joining row takes it or
-        the batch shrinks a bucket, so the steps' row counts come from a
-        small set (each new verify shape has a first-use cost on a GPU)."""
+        rows (each new verify shape has a first-use cost on a GPU)."""
         live = [b for b, r in enumerate(self.rows) if not r.ghost]
         size = min((n for n in self.buckets if n >= len(live)), default=len(live)) if live else 0
         if len(self.rows) > size:
@@ -441,13 +422,11 @@ class Decoder:
         engine = self.engine
         self.hooks.lap(None)
         t0 = time.perf_counter()
-        if q.prefix is None:
-            caches = make_main_cache(engine.model)
-            hidden, logits = engine.prefill(q.prompt, caches, keep_hidden=self.k > 0)
-        else:  # the prefix's caches, copied, then the row's own tokens
-            caches = copy_caches(q.prefix.caches)
-            hidden, logits = engine.prefill(q.prompt[len(q.prefix):], caches, keep_hidden=self.k > 0)
-            hidden = mx.concatenate([q.prefix.hidden, hidden], axis=1) if self.k else None
+        start = 0 if q.prefix is None else len(q.prefix)  # the prefix's caches, copied, then the row's own tokens
+        caches = make_main_cache(engine.model) if q.prefix is None else copy_caches(q.prefix.caches)
+        hidden, logits = engine.prefill(q.prompt[start:], caches, keep_hidden=self.k > 0)
+        if q.prefix is not None and self.k:
+            hidden = mx.concatenate([q.prefix.hidden, hidden], axis=1)
         self.hooks.lap("prefill")
         prefill_s = (time.perf_counter() - t0) / len(q.samples)
         firsts = choose(mx.concatenate([logits] * len(q.samples)), q.samples,

@@ -40,7 +40,7 @@ class PromptTooLongError(ValueError):
 
 class MTPEngine:
     """Loads a Qwen3-Next or Qwen3.5 checkpoint with its MTP head once; decodes prompts
-    with lossless greedy speculative decoding.
+    with lossless speculative decoding.
 
     Args:
         checkpoint: What `load_checkpoint` returned (its ``options`` hold
@@ -111,15 +111,13 @@ class MTPEngine:
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt (a string is tokenized as is, no template)."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty")
-            return list(self.tokenizer.encode(prompt))
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                            for t in prompt):
+        ids = isinstance(prompt, (list, tuple)) and all(type(t) is not bool and isinstance(t, int) for t in prompt)
+        if not ids and not isinstance(prompt, str):
             raise TypeError("prompt must be a string or a list of token ids (ints)")
         if not prompt:
             raise ValueError("prompt is empty")
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
         vocab = self.text.args.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
@@ -272,14 +270,7 @@ class MTPEngine:
         prompt must)."""
         decoder = Decoder(self, decode)
         for i, (prompt, params, budget) in enumerate(zip(prompts, samples, budgets)):
-            start = None
-            if prefix is not None:
-                ids = self.encode(prompt)
-                if prefix.continues(ids):
-                    start = prefix
-                elif strict:
-                    raise ValueError(f"the prompt ({len(ids)} tokens) does not start with the prefix's "
-                                     f"{len(prefix)} tokens and go on past them")
+            start = prefix if strict or prefix is None or prefix.continues(self.encode(prompt)) else None
             decoder.add(i, prompt, params, max_tokens=budget, stop=stop, trace=trace, prefix=start, logprobs=logprobs)
         try:
             while decoder.pending:

@@ -2,17 +2,13 @@
 
 A fast path replaces an MLX or mlx-lm operation with a faster one that gives
 the same tokens (``docs/BACKENDS.md`` lists each, what it replaces and the
-test that proves it exact). `EngineOptions` holds one switch per fast path;
-``MTPEngine.load(path, options=...)``, the engine and ``python -m jobs
---fast-path NAME=VALUE`` take it. A switch left at its default means "on
-wherever it is available"; the engine reports what each one ended up as
-(`FastPathStatus`), and a job logs that at start.
+test that proves it exact). A switch left at its default means "on wherever
+it is available"; the engine reports what each one ended up as
+(`FastPathStatus`).
 
-The environment variables below are the only ones the package reads. Each
-maps onto the default of one field (`EngineOptions.from_env`); nothing else
-reads ``os.environ`` (but `mlx_settings`, which records MLX's own for
-benchmarks). This module imports no MLX (``import mtp_engine`` reads
-``MTP_CPU_BLAS`` before MLX is imported).
+`ENVIRONMENT` declares the only environment variables the package reads.
+This module imports no MLX (``import mtp_engine`` reads ``MTP_CPU_BLAS``
+before MLX is imported).
 """
 
 from __future__ import annotations
@@ -34,11 +30,9 @@ MAX_DRAFT_TOKENS = 16
 """Most drafts a chain verifies in one step (K in 1..16)."""
 
 MAX_VERIFY_WIDTH = MAX_DRAFT_TOKENS + 1
-"""Widest verify forward, in tokens a row: the last token and K drafts (and
-the most pairs a head forward consumes after a commit). Every path that
-decoding and verify forwards must share, or that only they take (the MoE
-kernel, compiled layers and head, layer dispatch), covers widths up to this
-one; wider forwards are prompt prefill."""
+"""Widest verify forward, in tokens a row (and the most pairs a head forward
+consumes after a commit). Every fast path of decoding and verify forwards
+covers widths up to this one; wider forwards are prompt prefill."""
 
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
@@ -62,56 +56,31 @@ def env_flag(name: str, default: bool = True) -> bool:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """Fast-path switches. None means "the backend's default" (given with
-    each field); True or False forces it (a forced path that cannot run is
-    reported unavailable, never an error).
+    """Fast-path switches (docs/BACKENDS.md says what each replaces, where it
+    is on and the test that proves it exact). None means "the backend's
+    default" (given with each field); True or False forces it (a forced path
+    that cannot run is reported unavailable, never an error)."""
 
-    Attributes (docs/BACKENDS.md says what each replaces, where it is on
-    and the test that proves it exact):
-        cpu_blas, few_rows: MLX's CPU sgemm through the few-row kernel (products
-            of at most ``few_rows`` rows) and OpenBLAS, process-wide.
-        cpu_recurrence, cuda_recurrence: The gated-delta recurrence over T
-            tokens as one CPU primitive / one CUDA launch.
-        cpu_activations: MLX's float32 SiLU, sigmoid and softmax vectorized.
-        cpp_drafter, cpp_drafter_on_gpu: Greedy chain and adaptive drafts with
-            the C++ head on the CPU backend / on the host CPU of a GPU.
-        cuda_chain_drafter: A greedy chain of drafts in one CUDA launch.
-        compile_layers, compile_head: Compiled decoder layers (None: on the
-            CPU backend) and draft forward (None: where the head's RoPE
-            allows it).
-        rowwise_linears, flat_quantized, prefill_dequantized: Few-row dense
-            products, batched quantized products, prefill's 4-bit products
-            as dense ones (None: on CUDA).
-        contiguous_moe, moe_sort_min, grouped_moe, moe_kernel,
-            prefill_moe_kernel: MoE routing indices made contiguous once; the
-            selections from which tokens are sorted by expert (None: mlx-lm's
-            64 on the CPU, 1024 on GPUs); experts' tokens in blocks, and the
-            expert kernels of decoding widths and of prefill (None: on CUDA).
-        layer_dispatch: Verify forwards hand each trunk layer to the device
-            as soon as it is built.
-        cudnn_attention: cuDNN's fused attention on CUDA (MLX's default; off).
-    """
-
-    cpu_blas: bool = True
-    few_rows: int = 32
-    cpu_recurrence: bool = True
-    cpu_activations: bool = True
-    cpp_drafter: bool = True
-    cpp_drafter_on_gpu: bool = False
-    cuda_recurrence: bool = True
-    cuda_chain_drafter: bool = True
-    compile_layers: bool | None = None
-    compile_head: bool | None = None
-    rowwise_linears: bool | None = None
-    flat_quantized: bool | None = None
-    prefill_dequantized: bool | None = None
-    contiguous_moe: bool = True
-    moe_sort_min: int | None = None
-    grouped_moe: bool | None = None
-    moe_kernel: bool | None = None
-    prefill_moe_kernel: bool | None = None
-    layer_dispatch: bool = True
-    cudnn_attention: bool = False
+    cpu_blas: bool = True  # MLX's CPU sgemm through the few-row kernel and OpenBLAS, process-wide
+    few_rows: int = 32  # products of at most this many rows take the few-row kernel
+    cpu_recurrence: bool = True  # the gated-delta recurrence over T tokens as one CPU primitive
+    cpu_activations: bool = True  # MLX's float32 SiLU, sigmoid and softmax vectorized
+    cpp_drafter: bool = True  # greedy chain and adaptive drafts with the C++ head on the CPU backend
+    cpp_drafter_on_gpu: bool = False  # the same on the host CPU of a GPU
+    cuda_recurrence: bool = True  # the gated-delta recurrence as one CUDA launch
+    cuda_chain_drafter: bool = True  # a greedy chain of drafts in one CUDA launch
+    compile_layers: bool | None = None  # compiled decoder layers (None: on the CPU backend)
+    compile_head: bool | None = None  # compiled draft forward (None: where the head's RoPE allows it)
+    rowwise_linears: bool | None = None  # few-row dense products (None: on CUDA)
+    flat_quantized: bool | None = None  # batched quantized products (None: on CUDA)
+    prefill_dequantized: bool | None = None  # prefill's 4-bit products as dense ones (None: on CUDA)
+    contiguous_moe: bool = True  # MoE routing indices made contiguous once
+    moe_sort_min: int | None = None  # tokens sorted by expert from this many selections (None: 64 CPU, 1024 GPU)
+    grouped_moe: bool | None = None  # experts' tokens in blocks (None: on CUDA)
+    moe_kernel: bool | None = None  # the expert kernel of decoding widths (None: on CUDA)
+    prefill_moe_kernel: bool | None = None  # the expert kernel of prefill (None: on CUDA)
+    layer_dispatch: bool = True  # verify forwards hand each trunk layer to the device as soon as it is built
+    cudnn_attention: bool = False  # cuDNN's fused attention on CUDA (MLX's default)
 
     def __post_init__(self):
         for f in fields(self):

@@ -24,16 +24,8 @@ import mlx.core as mx
 from mtp_engine.cache.batch import commit_rows, filter_rows
 from mtp_engine.cache.capture import StateCaptureCache
 from mtp_engine.drafters.base import Proposal
-from mtp_engine.sampling import (
-    ACCEPT,
-    RESIDUAL,
-    SamplingParams,
-    apply_penalties,
-    choose,
-    gumbel,
-    scaled_logprobs,
-    uniforms,
-)
+from mtp_engine.sampling import ACCEPT, RESIDUAL, SamplingParams, apply_penalties, choose, gumbel
+from mtp_engine.sampling import scaled_logprobs, uniforms
 
 
 def positions_of(starts: list[int], width: int) -> mx.array:
@@ -79,11 +71,9 @@ def decisions(drafts: mx.array, logits: mx.array, params: list[SamplingParams], 
     return mx.concatenate([drafts, accepted, residual_pick.astype(mx.int32), targets], axis=1)
 
 
-def decide(values: list[int], k: int, rejection: bool, use: int | None = None) -> tuple[int, list[int]]:
+def decide(values: list[int], k: int, rejection: bool, use: int) -> tuple[int, list[int]]:
     """One verify row's accepted count and emitted tokens from its
-    `decisions` row of ``k`` drafts, using only the first ``use`` of them
-    (default all)."""
-    use = k if use is None else use
+    `decisions` row of ``k`` drafts, using only the first ``use`` of them."""
     draft = values[:use]
     if not rejection:
         targets = values[k:]
@@ -130,7 +120,7 @@ def verify(trunk, lm_head, caches: list, xs: mx.array, proposal: Proposal, param
             row; a row with several paths is gathered into a row per path
             for the forward and back to its winner after it.
         xs: Each row's last emitted token, not yet fed, ``[R, 1]`` int32.
-        proposal: The drafts (plain steps are `Decoder._plain_step`'s).
+        proposal: The drafts.
         params: Each row's sampling.
         starts: Each row's generated position of the token ``x`` precedes.
         histories: Each row's generated tokens, for rows with penalties
@@ -167,10 +157,11 @@ def verify(trunk, lm_head, caches: list, xs: mx.array, proposal: Proposal, param
     accepted, outs, paths = [], [], []
     for v in range(len(owners)):
         use = width - 1 if uses is None else min(uses[v], width - 1)
-        n, out = decide(reads[-1 if rejecting[v] else 0][v], width - 1, rejecting[v], use)
+        values = reads[-1 if rejecting[v] else 0][v]  # both layouts start with the drafts
+        n, out = decide(values, width - 1, rejecting[v], use)
         accepted.append(n)
         outs.append(out)
-        paths.append(reads[0 if not rejecting[v] or len(reads) == 1 else -1][v][:use])
+        paths.append(values[:use])
     winners = [-1] * rows
     for v, o in enumerate(owners):  # the most accepted; the first path on a tie
         if winners[o] < 0 or accepted[v] > accepted[winners[o]]:

@@ -1,22 +1,20 @@
 """Caches for a batch of rows that speculate together.
 
 In a batched verify forward every row feeds ``K+1`` inputs and keeps its
-own accepted prefix. Two cache kinds follow that:
+own accepted prefix:
 
 - `BatchKVCache` (attention layers, the MTP head): every row writes a
-  forward's entries at the same buffer index, so the write is one slice
-  update. After the verify, each row keeps a prefix of them; the rest
-  become *holes*: a per-row validity map masks them for every later query,
-  and RoPE positions are per row (the count of a row's valid entries). No
-  row's keys are ever moved or replayed. A suffix rejected by every row is
-  trimmed, so a batch of one never has holes.
-- `StateCaptureCache` (gated-delta layers) with a batch axis: the verify
-  forward captures per-token states for every row, and `commit_rows` takes,
-  per row, the state after that row's last accepted input (one gather).
+  forward's entries at the same buffer index. After the verify, each row
+  keeps a prefix of them; the rest become *holes*, masked for every later
+  query, and RoPE positions are per row (the count of a row's valid
+  entries). No row's keys are ever moved or replayed. A suffix rejected by
+  every row is trimmed, so a batch of one never has holes.
+- `StateCaptureCache` (gated-delta layers): `commit_rows` takes, per row,
+  the state captured after that row's last accepted input (one gather).
 
-Rows join (`append_row`) after their own prefill and leave (`filter_rows`)
-between steps; a joining row can take the place of one that left
-(`replace_row`), which writes only its own slice.
+Rows join (`append_row`, or `replace_row` in the place of one that left,
+writing only its own slice) after their own prefill and leave
+(`filter_rows`) between steps.
 """
 
 from __future__ import annotations
@@ -82,19 +80,16 @@ class BatchKVCache:
         """Write ``[B, heads, N, dim]`` new entries at ``idx`` (valid until
         `settle` says otherwise) and return every row's entries so far."""
         n = keys.shape[2]
-        self._reserve(keys, values, n)
+        if self.keys is None:
+            self._start(keys, values)
+        if self.idx + n > self.keys.shape[2]:
+            self._pad(entries=(n + self.step - 1) // self.step * self.step)
         self.keys[..., self.idx : self.idx + n, :] = keys
         self.values[..., self.idx : self.idx + n, :] = values
         self.valid[:, self.idx : self.idx + n] = True
         self.idx += n
         self.positions = [p + n for p in self.positions]
         return self.keys[..., : self.idx, :], self.values[..., : self.idx, :]
-
-    def _reserve(self, keys: mx.array, values: mx.array, n: int) -> None:
-        if self.keys is None:
-            self._start(keys, values)
-        if self.idx + n > self.keys.shape[2]:
-            self._pad(entries=(n + self.step - 1) // self.step * self.step)
 
     def _start(self, keys: mx.array, values: mx.array) -> None:
         """Empty buffers for every row, of ``keys``/``values``' heads, widths and dtypes."""
@@ -234,11 +229,9 @@ class BatchKVCache:
 
 @lru_cache(maxsize=8)
 def host_array(values: tuple[int, ...]) -> mx.array:
-    """``values`` as an int32 array, made once for equal values: each layer's
-    cache asks for the same RoPE offsets (and keep counts) in a forward, and
-    on MLX's CUDA backend each array made from host values costs host time
-    (docs/BACKENDS.md, "Tuning constants"). Shared, so
-    nothing may update one in place (``+=`` or a slice assignment on it)."""
+    """``values`` as an int32 array, made once for every layer's cache in a
+    forward (docs/BACKENDS.md, "Tuning constants"). Shared, so nothing may
+    update one in place (``+=`` or a slice assignment on it)."""
     return mx.array(values, dtype=mx.int32)
 
 
@@ -250,30 +243,21 @@ def commit_rows(caches: list, width: int, keep: list[int]) -> None:
     if any(not 1 <= k <= width for k in keep):
         raise ValueError(f"keep counts must be in 1..{width}, got {keep}")
     every = all(k == width for k in keep)
-    # Each row's last kept input: one token for all rows, or one array for
-    # every layer's per-row gathers.
+    # Each row's last kept input: one token for all rows, or one array for every layer's per-row gathers.
     last = keep[0] - 1 if len(set(keep)) == 1 else mx.array([k - 1 for k in keep], dtype=mx.int32)
     for c in caches:
         if isinstance(c, BatchKVCache):
             c.settle(keep, width)
-        elif isinstance(c, StateCaptureCache):
-            if every:  # the forward left each row's state after its last input
-                c.clear_captured()
-            else:
-                _take_captured(c, last)
-        else:
+            continue
+        if not isinstance(c, StateCaptureCache):
             raise TypeError(f"unsupported cache type {type(c).__name__} in a batch")
-
-
-def _take_captured(cache: StateCaptureCache, last: int | mx.array) -> None:
-    captured = cache.captured
-    if captured is None:
-        raise ValueError("the last forward captured no states (begin_capture before the verify)")
-    if isinstance(last, int):
-        cache.cache = list(captured[last])
-    else:
-        cache.cache = [state_rows(captured.conv_states, last), state_rows(captured.ssm_states, last)]
-    cache.clear_captured()
+        if not every:  # else the forward left each row's state after its last input
+            captured = c.captured
+            if captured is None:
+                raise ValueError("the last forward captured no states (begin_capture before the verify)")
+            c.cache = list(captured[last]) if isinstance(last, int) else [
+                state_rows(captured.conv_states, last), state_rows(captured.ssm_states, last)]
+        c.clear_captured()
 
 
 def make_batch_cache(model) -> list:
@@ -282,14 +266,11 @@ def make_batch_cache(model) -> list:
 
 
 def append_row(batch: list, row: list, rows_before: int) -> None:
-    """Add one prefilled row (batch-of-one caches from `make_main_cache`, or
-    `BatchKVCache`s of one row) to the batch's caches."""
+    """Add one prefilled row (batch-of-one caches from `make_main_cache`) to
+    the batch's caches."""
     for b, r in zip(batch, row):
         if isinstance(b, BatchKVCache):
-            if isinstance(r, BatchKVCache):
-                b.add_row(r.keys[..., : r.idx, :] if r.keys is not None else None, r.values, r.idx)
-            else:
-                b.add_row(r.keys, r.values, r.offset)
+            b.add_row(r.keys, r.values, r.offset)
         elif rows_before == 0:
             b.cache = list(r.cache)
         else:

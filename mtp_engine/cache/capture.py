@@ -1,15 +1,10 @@
 """Per-token recurrent-state capture for verify forwards.
 
-Gated-delta (linear attention) caches hold ``[conv_state, ssm_state]`` and
-cannot be trimmed. To commit a verified prefix without replaying it, a
-verify forward records, for every token, the conv window and the recurrent
-state after it (its *captured states*); commit is then a lookup.
-
-`StateCaptureCache` is the cache type that asks for it and holds the
-result; the layer that fills it is `mtp_engine.model.gated_delta`. Where the
-states are many and large (a batch of rows on CUDA), the recurrence records
-its inputs instead and computes only the state a commit keeps
-(`mtp_engine.kernels.cuda_recurrence.DeferredStates`).
+Gated-delta caches hold ``[conv_state, ssm_state]`` and cannot be trimmed.
+To commit a verified prefix without replaying it, a verify forward records,
+for every token, the conv window and the recurrent state after it (its
+*captured states*, filled by `mtp_engine.model.gated_delta`); commit is then
+a lookup. The per-token states are sliced only when asked for.
 """
 
 from __future__ import annotations
@@ -73,11 +68,9 @@ class StateCaptureCache(ArraysCache):
 
 
 class ConvWindows(Sequence):
-    """The conv window after each token of a forward, sliced only when
-    asked for: item ``t`` is the ``n_keep`` conv inputs ending at token ``t``
-    of ``conv_input`` (which starts with the ``n_keep`` inputs before the
-    forward). A verify forward keeps every token's window but commits one,
-    so building the others would be waste."""
+    """The conv window after each token of a forward: item ``t`` is the
+    ``n_keep`` conv inputs ending at token ``t`` of ``conv_input`` (which
+    starts with the ``n_keep`` inputs before the forward)."""
 
     def __init__(self, conv_input: mx.array, n_keep: int):
         self.conv_input = conv_input
@@ -98,8 +91,7 @@ class ConvWindows(Sequence):
 
 
 class StackedStates(Sequence):
-    """Rows of a ``[T, ...]`` array of per-token recurrent states, taken
-    only when asked for."""
+    """Rows of a ``[T, ...]`` array of per-token recurrent states."""
 
     def __init__(self, states: mx.array):
         self.states = states

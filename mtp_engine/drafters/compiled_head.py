@@ -1,10 +1,5 @@
 """The MTP head's draft forward as a few compiled pieces.
 
-A draft step of a small model is all host work and kernel launches: about
-seventy ops (embedding, norms, the attention projections, the MoE block,
-the LM head) for one token, so on a GPU a chain of drafts launches about as
-many kernels as the verify forward it feeds.
-
 Everything in a draft step has a fixed shape except the attention over the
 head's KV cache, which grows every step. So the forward is cut around it:
 
@@ -17,10 +12,8 @@ head's KV cache, which grows every step. So the forward is cut around it:
 - ``finish``: the last layer's output projection and MoE half and the
   final norm.
 
-``mx.compile`` traces each piece once per input width and replays it from
-C++, fusing its elementwise ops. Drafts only propose tokens, so a compiled
-head cannot change what the engine emits; the tests check that it drafts
-what the eager head drafts.
+``mx.compile`` traces each piece once per input width. Drafts only propose
+tokens, so a compiled head cannot change what the engine emits.
 """
 
 from __future__ import annotations
@@ -31,12 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
-from mtp_engine.model.mtp_head import (
-    MTPHead,
-    gated_attention_inputs,
-    gated_attention_output,
-    mlp_residual,
-)
+from mtp_engine.model.mtp_head import MTPHead, gated_attention_inputs, gated_attention_output, mlp_residual
 from mtp_engine.model.rope import is_plain_rope
 
 
@@ -47,8 +35,7 @@ def can_compile_head(head: MTPHead) -> bool:
 
 
 def _layer_output(layer: nn.Module, x: mx.array, attended: mx.array, gate: mx.array) -> mx.array:
-    """The rest of a decoder layer after attention: gated output projection,
-    residual, and the MoE (or dense MLP) half."""
+    """The rest of a decoder layer after attention."""
     return mlp_residual(layer, x + gated_attention_output(layer.self_attn, attended, gate))
 
 
@@ -75,11 +62,8 @@ class CompiledHead:
 
     def _enter_impl(self, hidden: mx.array, tokens: mx.array, offset: mx.array):
         head = self.head
-        x = mx.concatenate(
-            [head.pre_fc_norm_embedding(self.embed(tokens)), head.pre_fc_norm_hidden(hidden)],
-            axis=-1,
-        )
-        x = head.fc(x)
+        x = head.fc(mx.concatenate([head.pre_fc_norm_embedding(self.embed(tokens)), head.pre_fc_norm_hidden(hidden)],
+                                   axis=-1))
         layer = head.layers[0]
         return (x, *gated_attention_inputs(layer.self_attn, layer.input_layernorm(x), offset))
 
@@ -92,22 +76,16 @@ class CompiledHead:
         return self.head.norm(_layer_output(self.head.layers[-1], x, attended, gate))
 
     def hiddens(self, hidden: mx.array, tokens: mx.array, cache: list) -> mx.array:
-        """The head's final-normed hiddens ``M`` at every position, for
-        ``[B, L, dim]`` hiddens and ``[B, L]`` tokens (a batch of rows)."""
-        return self._finish(*self._attend(hidden, tokens, cache))
-
-    def _attend(self, hidden: mx.array, tokens: mx.array, cache: list):
-        """Every piece up to the last layer's attention; returns what the
-        compiled tail takes: the residual, the attention output and its gate."""
+        """The head's final-normed hiddens at every position, for ``[B, L,
+        dim]`` hiddens and ``[B, L]`` tokens."""
         layers = self.head.layers
         offset = mx.array(cache[0].offset, dtype=mx.int32)
         x, queries, keys, values, gate = self._enter(hidden, tokens, offset)
         mask = create_attention_mask(x, cache[0])
         for j, (layer, c) in enumerate(zip(layers, cache)):
             keys, values = c.update_and_fetch(keys, values)
-            attended = scaled_dot_product_attention(
-                queries, keys, values, cache=c, scale=layer.self_attn.scale, mask=mask
-            )
+            attended = scaled_dot_product_attention(queries, keys, values, cache=c, scale=layer.self_attn.scale,
+                                                    mask=mask)
             if j + 1 < len(layers):
                 x, queries, keys, values, gate = self._between[j](x, attended, gate, offset)
-        return x, attended, gate
+        return self._finish(x, attended, gate)

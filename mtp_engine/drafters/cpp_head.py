@@ -1,19 +1,14 @@
 """Chain and adaptive drafts with the MTP head in C++, on the CPU.
 
-A draft step (the head's fc, one full-attention decoder layer with its MoE
-block, the final norm and the LM head, for one token) is about two hundred
-MLX primitives, and on MLX's CPU backend each costs a fixed dispatch far
-above its arithmetic. ``_mtp_cpp_drafter`` (``native/cpp_drafter.cpp``,
+On MLX's CPU backend each of a draft step's primitives costs a fixed dispatch
+far above its arithmetic. ``_mtp_cpp_drafter`` (``native/cpp_drafter.cpp``,
 built by ``make install``) runs the same arithmetic as plain loops over the
-same float32 weights, which the MLX model keeps (nothing is copied).
-
-Drafts only propose: the verify forward decides every emitted token, so the
-C++ arithmetic need not match MLX's bit for bit, only closely enough to
-draft the same tokens (tests compare its logits with the MLX head's).
+same float32 weights, which the MLX model keeps (nothing is copied). Drafts
+only propose, so it need only draft the same tokens as the MLX head, not
+match it bit for bit.
 
 It serves chain and adaptive modes, greedy, when the model runs on the CPU in
-float32 (not quantized) and the head has the layout it knows
-(`head_weights`); the tree modes and sampling keep the MLX head. On a GPU it is
+float32 and the head has the layout it knows (`mtp_engine.model.head_weights`). On a GPU it is
 opt-in (`EngineOptions.cpp_drafter_on_gpu`): the head then drafts on the
 host CPU from float32 copies while the GPU verifies.
 """
@@ -26,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtp_engine.drafters.base import Proposal
-from mtp_engine.drafters.head_weights import FLOATS, UnsupportedHead, head_weights
+from mtp_engine.model.head_weights import FLOATS, UnsupportedHead, head_weights
 from mtp_engine.kernels.extensions import load_extension, unavailable_reason
 from mtp_engine.model.mtp_head import MTPHead
 
@@ -39,15 +34,8 @@ def extension():
 
 
 def build_cpp_head(head: MTPHead, embed: nn.Module, lm_head: nn.Module, on_gpu: bool = False):
-    """A ``DraftHead`` of the extension for this head.
-
-    On the CPU backend it reads the head's own float32 weights. On a GPU
-    (``on_gpu``) it keeps float32 copies of the head, embedding and LM head
-    in host memory, drafts on the CPU, and the GPU verifies.
-
-    Returns:
-        ``(draft_head, None)``, or ``(None, why)`` when it cannot run here.
-    """
+    """``(draft_head, None)``: a ``DraftHead`` of the extension for this head
+    (on a GPU only with ``on_gpu``), or ``(None, why)`` when it cannot run here."""
     ext = extension()
     if ext is None:
         return None, unavailable_reason(MODULE)
@@ -120,8 +108,6 @@ class CppDrafter:
         self.states = [self.states[r] for r in rows]
 
     def extend(self, hidden: mx.array, tokens: list[list[int]]) -> None:
-        """Queue more pairs after a plain step: row ``b``'s
-        ``(hidden[b, j], tokens[b][j])`` after its pending ones."""
         for b, (state, t) in enumerate(zip(self.states, tokens)):
             if t:
                 state.pending.append((hidden, b, list(t)))
@@ -141,9 +127,7 @@ class CppDrafter:
             for state, cap in zip(self.states, caps):  # a row at its budget still consumes its pairs
                 hidden, row, tokens = state.take_pending()
                 chains.append(state.session.draft(hidden, tokens, max(1, min(k, cap)), decode.tau, row)[0])
-            width = max(len(c) for c in chains)
-            return Proposal(mx.array([c + [c[-1]] * (width - len(c)) for c in chains], dtype=mx.int32),
-                            uses=[min(len(c), cap) for c, cap in zip(chains, caps)])
+            return Proposal.padded(chains, caps)
         hiddens, sources, rows, tokens = {}, [], [], []  # hiddens: each array once, by identity
         for state in self.states:
             hidden, row, pairs = state.take_pending()
@@ -162,7 +146,6 @@ class CppDrafter:
         return Proposal(drafts, uses=caps)
 
     def commit(self, hidden: mx.array, emitted: list[list[int]], winners: list[int]) -> None:
-        """Drop the drafted cache entries and queue each row's accepted pairs."""
         for state, tokens, row in zip(self.states, emitted, winners):
             state.session.rewind(state.base)
             state.pending = [(hidden, row, list(tokens))]

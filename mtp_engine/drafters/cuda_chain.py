@@ -1,6 +1,5 @@
 """Chain drafts from the CUDA chain kernel (`mtp_engine.kernels.cuda_chain`):
-a whole chain of K drafts in one launch, where the MLX head would launch
-about fifty kernels per draft step."""
+a whole chain of K drafts in one launch."""
 
 from __future__ import annotations
 
@@ -9,15 +8,9 @@ import mlx.nn as nn
 
 from mtp_engine.drafters.base import Proposal
 from mtp_engine.drafters.head import HeadDrafter
-from mtp_engine.drafters.head_weights import FLOATS, UnsupportedHead, head_weights
-from mtp_engine.kernels.cuda_chain import (
-    MAX_DRAFTS,
-    MAX_PENDING,
-    MAX_STEP_BYTES,
-    WEIGHT_ORDER,
-    ChainKernel,
-    availability,
-)
+from mtp_engine.model.head_weights import FLOATS, UnsupportedHead, head_weights
+from mtp_engine.kernels.cuda_chain import MAX_DRAFTS, MAX_PENDING, MAX_STEP_BYTES, WEIGHT_ORDER
+from mtp_engine.kernels.cuda_chain import ChainKernel, availability
 from mtp_engine.model.mtp_head import MTPHead
 from mtp_engine.modes import CHAINS
 
@@ -56,7 +49,6 @@ def kernel_weights(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> tuple
     return [mx.contiguous(named[name]) for name in WEIGHT_ORDER], config
 
 
-
 def build_chain_kernel(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> tuple[ChainKernel | None, str | None]:
     """A `ChainKernel` for this head, or ``(None, why)`` off CUDA or where
     the kernel cannot serve it (see `kernel_weights`)."""
@@ -79,10 +71,8 @@ class CudaChainDrafter(HeadDrafter):
     drafter's, so the two take turns on one state).
     """
 
-    def __init__(self, head: MTPHead, embed: nn.Module, lm_head, kernel, prefill_step_size: int = 2048):
-        # Not compiled: here the MLX head only consumes the pairs of a prompt
-        # ahead of its last when there are more than 16, once per generation;
-        # a `CompiledHead` would trace each such width for one use.
+    def __init__(self, head: MTPHead, embed: nn.Module, lm_head, prefill_step_size: int, kernel: ChainKernel):
+        # Not compiled: here the MLX head consumes only a long prompt's pairs, a width traced for one use.
         super().__init__(head, embed, lm_head, prefill_step_size)
         self.name = "cuda"
         self.kernel = kernel

@@ -1,27 +1,20 @@
 """Drafting with the MLX MTP head for the rows of a batch, in every mode.
 
-The head keeps one `BatchKVCache` per layer for all rows, plus each row's
-*pending* pairs (``(H_i, t_{i+1})`` the head has not consumed yet: a joining
-row's last prompt pair, then each step's accepted tokens against the trunk's
-true hiddens), so its cache always matches the committed text. A draft call
-first consumes every row's pending pairs in one forward (right-padded to the
-longest; the padding becomes holes), then drafts:
+The head keeps one `BatchKVCache` per layer for all rows and each row's
+pending pairs (`mtp_engine.drafters.base`). A draft call first consumes every
+row's pending pairs in one forward (right-padded to the longest; the padding
+becomes holes), then drafts:
 
-- chain: K tokens per row, one head forward per position over all rows, on
-  the device: each position's tokens feed the next as an array and start at
-  once (``mx.async_eval``), so the host builds the next step, and the verify
-  forward, while the device computes; the drafts reach the host with the
+- chain: K tokens per row, one head forward per position over all rows, kept
+  on the device (``mx.async_eval``): the drafts reach the host with the
   verify's targets in one sync;
 - adaptive: a chain that stops, per row, once the running product of its
-  top-1 probabilities falls below ``tau`` (one sync per position, to stop);
+  top-1 probabilities falls below ``tau`` (one sync per position);
 - paths, tree, adaptive_tree: several paths per row. A row branches by
   taking the top-n choices at a position (greedy: likeliest; the exact
   sampler: by the targets' perturbed scores); from the first branch on the
   head drafts on a gathered copy of its cache with a row per path, so no path
   sees another's tokens and the committed cache stays untouched.
-
-Commit rewinds what drafting wrote and queues each row's accepted pairs from
-the verify row (path) that won.
 """
 
 from __future__ import annotations
@@ -85,9 +78,7 @@ class HeadDrafter:
     # -- rows joining and leaving -------------------------------------------
 
     def add_row(self, slot: int | None, prompt_hidden: mx.array, tokens: list[int], key=None) -> None:
-        """A joining row (at the end, or in place of row ``slot``, one that
-        left): the head consumes its prompt's pairs ``(prompt_hidden[0, j],
-        tokens[j])`` but the last, which stays pending."""
+        """The head consumes the joining row's prompt pairs but the last, which stays pending."""
         self._merge()
         own = [BatchKVCache(1) for _ in self.head.layers]
         n = len(tokens) - 1
@@ -110,7 +101,6 @@ class HeadDrafter:
         self.pending = [_Pending(hidden, pending, counts)]
 
     def filter(self, rows: list[int]) -> None:
-        """Keep only these rows, in this order."""
         for c in self.cache:
             c.filter(rows)
         hidden, tokens, counts = self._gather_pending()
@@ -118,9 +108,7 @@ class HeadDrafter:
         self.pending = [_Pending(hidden[index], [tokens[r] for r in rows], [counts[r] for r in rows])] if rows else []
 
     def extend(self, hidden: mx.array, tokens: list[list[int]]) -> None:
-        """Queue more pairs after a plain step: row ``b``'s ``(hidden[b, 0],
-        tokens[b][0])`` (if any) after its pending ones. Kept apart until
-        the pending pairs are next read (`_merge`)."""
+        """The plain step's pairs are kept apart until the pending pairs are next read (`_merge`)."""
         self._more.append((hidden[:, :1], [t[:1] for t in tokens]))
 
     def _merge(self) -> None:
@@ -177,9 +165,6 @@ class HeadDrafter:
 
     def propose(self, decode: DecodeConfig, k: int, params: list[SamplingParams], starts: list[int],
                 caps: list[int]) -> Proposal:
-        """Drafts for one verify forward: at most ``k`` per path, row ``b``
-        using at most ``caps[b]`` (its budget), its choices at generated
-        positions ``starts[b]..``."""
         if k < 1:
             raise ValueError(f"a draft needs k >= 1 tokens, got {k}")
         m = self._consume()
@@ -271,9 +256,8 @@ class HeadDrafter:
                     active[b] = len(chains[b]) < min(k, caps[b]) and confidence[b] >= tau
             last = mx.array(tokens, dtype=mx.int32)
             depth += 1
-        width = max(len(c) for c in chains)
         if not branch:
-            return Proposal(_padded(chains, width), uses=[min(len(c), cap) for c, cap in zip(chains, caps)])
+            return Proposal.padded(chains, caps)
         paths, owners = [], []
         for b, (a, o) in enumerate(zip(chains, others)):
             paths.append(a)
@@ -281,8 +265,7 @@ class HeadDrafter:
             if len(a) >= 2:
                 paths.append(o[: len(a)])
                 owners.append(b)
-        return Proposal(_padded(paths, width), owners=owners,
-                        uses=[min(len(p), caps[o]) for p, o in zip(paths, owners)])
+        return Proposal.padded(paths, caps, owners)
 
     def _grow(self, m: mx.array, k: int, params, starts, caps, branches, order: list[int] | None = None) -> Proposal:
         """Paths grown position by position: at each, a path with label
@@ -328,20 +311,12 @@ class HeadDrafter:
         return Proposal(mx.array(tokens, dtype=mx.int32), owners=owners, uses=[min(k, caps[o]) for o in owners])
 
     def commit(self, hidden: mx.array, emitted: list[list[int]], winners: list[int]) -> None:
-        """Rewind what drafting wrote; queue row ``b``'s pairs
-        ``(hidden[winners[b], j], emitted[b][j])`` (``hidden``: the verify
-        forward's ``[V, K+1, dim]``)."""
         if self._base is not None:
             for c in self.cache:
                 c.rewind(*self._base)
         if hidden.shape[0] != len(winners) or winners != list(range(len(winners))):
             hidden = hidden[mx.array(winners, dtype=mx.int32)]
         self.pending = [_Pending(hidden, [list(e) for e in emitted], [len(e) for e in emitted])]
-
-
-def _padded(paths: list[list[int]], width: int) -> mx.array:
-    """Host token lists, each padded to ``width`` by repeating its last token."""
-    return mx.array([p + [p[-1]] * (width - len(p)) for p in paths], dtype=mx.int32)
 
 
 def _resolve(tokens: list[list]) -> list[list[int]]:

@@ -9,7 +9,7 @@ Drafters change speed, never output.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -20,20 +20,21 @@ from mtp_engine.model.install import decide
 from mtp_engine.modes import CHAINS, DRAFTERS
 from mtp_engine.options import EngineOptions, FastPathStatus
 
+GREEDY_ONLY = ("cpp", "cuda")
+"""Drafters that draft greedily only."""
+
 
 @dataclass
 class DrafterParts:
-    """What an engine's drafters share: the head and its compiled forward,
-    the C++ head, the CUDA chain kernel (None where unavailable)."""
+    """What an engine's drafters share: the MLX head's arguments (`HeadDrafter`'s
+    ``head, embed, lm_head, prefill_step_size``) and its compiled forward, the
+    C++ head, the CUDA chain kernel (None where unavailable), their statuses."""
 
-    head: object
-    embed: object
-    lm_head: object
-    prefill_step_size: int
+    head_args: tuple
+    statuses: list[FastPathStatus]
     compiled: CompiledHead | None = None
     cpp: object | None = None
     kernel: object | None = None
-    statuses: list[FastPathStatus] = field(default_factory=list)
 
 
 def build_drafters(head, embed, lm_head, lm_head_module, prefill_step_size: int,
@@ -51,7 +52,7 @@ def build_drafters(head, embed, lm_head, lm_head_module, prefill_step_size: int,
     compiles = can_compile_head(head)
     compiled = decide("compile_head", options.compile_head, compiles,
                       None if compiles else "the head's RoPE takes no array offset", "draft forward in 3 traces")
-    parts = DrafterParts(head, embed, lm_head, prefill_step_size, statuses=[compiled])
+    parts = DrafterParts((head, embed, lm_head, prefill_step_size), [compiled])
     if compiled.state == "on":
         parts.compiled = CompiledHead(head, embed)
 
@@ -86,7 +87,7 @@ def pick(parts: DrafterParts, mode: str, choice: str = "auto", greedy: bool = Tr
     """
     if choice not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))}, got {choice!r}")
-    if not greedy and choice in ("cpp", "cuda"):
+    if not greedy and choice in GREEDY_ONLY:
         raise ValueError(f"the {choice} drafter drafts greedily; sampling drafts with the MLX head (drafter='mlx')")
     cpp_ok = parts.cpp is not None and mode in CppDrafter.modes and greedy
     cuda_ok = parts.kernel is not None and mode in CHAINS and greedy
@@ -112,6 +113,5 @@ def make_drafter(parts: DrafterParts, kind: str):
     if kind == "cuda":
         from mtp_engine.drafters.cuda_chain import CudaChainDrafter  # CUDA only
 
-        return CudaChainDrafter(parts.head, parts.embed, parts.lm_head, parts.kernel, parts.prefill_step_size)
-    compiled = parts.compiled if kind == "mlx" else None
-    return HeadDrafter(parts.head, parts.embed, parts.lm_head, parts.prefill_step_size, compiled)
+        return CudaChainDrafter(*parts.head_args, kernel=parts.kernel)
+    return HeadDrafter(*parts.head_args, compiled=parts.compiled if kind == "mlx" else None)

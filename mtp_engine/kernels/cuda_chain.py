@@ -78,7 +78,7 @@ WEIGHT_ORDER = (
     "layers.0.shared.gate_proj", "layers.0.shared.up_proj", "layers.0.shared.down_proj",
     "layers.0.shared_gate",
 )
-"""Head weights in the kernel's argument order (names of `head_weights`)."""
+"""Head weights in the kernel's argument order (names of `mtp_engine.model.head_weights`)."""
 
 WEIGHT_ARGS = (
     "embed", "lm_head", "norm_e", "norm_h", "fc", "norm_f", "in_norm", "post_norm",

@@ -16,7 +16,7 @@ import pytest
 from mtp_engine import MTPEngine
 from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.drafters import cpp_head
-from mtp_engine.drafters.head_weights import UnsupportedHead, head_weights
+from mtp_engine.model.head_weights import UnsupportedHead, head_weights
 from mtp_engine.io.tiny import tiny_config
 from mtp_engine.model.mtp_head import build_models
 from mtp_engine.modes import DecodeConfig

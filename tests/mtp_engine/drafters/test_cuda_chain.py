@@ -17,7 +17,7 @@ from mtp_engine import MTPEngine
 from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.drafters import cuda_chain as chain_drafter
 from mtp_engine.drafters.cuda_chain import build_chain_kernel
-from mtp_engine.drafters.head_weights import UnsupportedHead
+from mtp_engine.model.head_weights import UnsupportedHead
 from mtp_engine.io.tiny import tiny_config
 from mtp_engine.kernels import cuda_chain
 from mtp_engine.backend import is_cuda_backend
