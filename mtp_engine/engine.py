@@ -19,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mtp_engine.cache.capture import make_main_cache
+from mtp_engine.constraints import Grammars, tokenizer_json
 from mtp_engine.decoder import Decoder
 from mtp_engine.drafters.select import DrafterParts, build_drafters, make_drafter, pick
 from mtp_engine.kernels import cpu_blas
@@ -66,6 +67,7 @@ class MTPEngine:
                                                      lm_head_module(self.model), prefill_step_size, self.options)
         self.fast_paths: list[FastPathStatus] = [cpu_blas.status(self.options), *checkpoint.fast_paths,
                                                  *self.drafters.statuses, attention_status()]
+        self._grammars: Grammars | None = None  # built when the first constrained row comes
 
     @classmethod
     def load(
@@ -148,6 +150,13 @@ class MTPEngine:
         return PrefixState(tuple(ids), caches, hidden, cache_bytes(caches) + hidden.nbytes)
 
     # -- generation ------------------------------------------------------------
+
+    @property
+    def grammars(self) -> Grammars:
+        """The grammar compiler of constrained rows (`mtp_engine.constraints`), built on first use."""
+        if self._grammars is None:
+            self._grammars = Grammars(tokenizer_json(self.tokenizer), self.text.args.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def pick_drafter(self, mode: str, choice: str = "auto", greedy: bool = True) -> str:
         """The drafter ``choice`` means for ``mode`` here (`mtp_engine.drafters.select.pick`)."""

@@ -34,6 +34,7 @@ import mlx.nn as nn
 from mtp_engine.cache.batch import BatchKVCache
 from mtp_engine.drafters.base import Proposal
 from mtp_engine.drafters.compiled_head import CompiledHead
+from mtp_engine.drafters.constrained import masked_chain
 from mtp_engine.model.mtp_head import MTPHead
 from mtp_engine.modes import CHAINS, SPECULATIVE_MODES, DecodeConfig
 from mtp_engine.options import MAX_VERIFY_WIDTH
@@ -176,14 +177,17 @@ class HeadDrafter:
     # -- drafting -----------------------------------------------------------
 
     def propose(self, decode: DecodeConfig, k: int, params: list[SamplingParams], starts: list[int],
-                caps: list[int]) -> Proposal:
+                caps: list[int], grammars: list | None = None) -> Proposal:
         """Drafts for one verify forward: at most ``k`` per path, row ``b``
         using at most ``caps[b]`` (its budget), its choices at generated
-        positions ``starts[b]..``."""
+        positions ``starts[b]..``; rows with a grammar in ``grammars`` draft
+        masked chains (`mtp_engine.drafters.constrained`)."""
         if k < 1:
             raise ValueError(f"a draft needs k >= 1 tokens, got {k}")
         m = self._consume()
         mode = decode.mode
+        if grammars is not None:
+            return masked_chain(self, m, k, params, starts, caps, grammars)
         if mode in CHAINS or (mode == "paths" and decode.paths == 1):
             return self._chain(m, k, params, starts, caps)
         if mode == "adaptive":
