@@ -74,7 +74,7 @@ class Constraint:
                 raise ConstraintError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, dict):
             raise ConstraintError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        return cls("json_schema", json.dumps(schema))  # key order kept: properties are written in it
 
     @classmethod
     def choice(cls, choices) -> "Constraint":
@@ -117,6 +117,47 @@ class Constraint:
     def describe(self) -> str:
         return {"json_object": "a JSON object", "json_schema": "the JSON schema", "regex": "the regex",
                 "choice": "one of the choices"}[self.kind]
+
+
+def validate(constraint: Constraint) -> None:
+    """Raise `ConstraintError` naming the problem unless the constraint
+    compiles (no tokenizer needed: a job checks its rows before decoding)."""
+    from llguidance import LLMatcher
+
+    try:
+        grammar = constraint.grammar()
+    except ValueError as e:
+        raise ConstraintError(f"invalid {constraint.kind}: {e}") from None
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ConstraintError(f"invalid {constraint.kind}: {' '.join(error.split())}")
+
+
+ROW_FIELDS = ("response_format", "json_schema", "regex", "choices")
+"""The fields that give a row (or a job) its constraint; at most one."""
+
+
+def from_fields(values: dict) -> Constraint | None:
+    """The constraint of a row's (or a job's) fields `ROW_FIELDS`: an OpenAI
+    ``response_format``, a ``json_schema`` (an object or its JSON text), a
+    ``regex`` or a list of ``choices``; None when none is set.
+
+    Raises:
+        ConstraintError: Several are set, or one is malformed.
+    """
+    given = [name for name in ROW_FIELDS if values.get(name) is not None]
+    if len(given) > 1:
+        raise ConstraintError(f"set one of {', '.join(ROW_FIELDS)}, not {' and '.join(given)}")
+    if not given:
+        return None
+    name, value = given[0], values[given[0]]
+    if name == "response_format":
+        return Constraint.from_response_format(value)
+    if name == "json_schema":
+        return Constraint.json_schema(value)
+    if name == "regex":
+        return Constraint("regex", value)
+    return Constraint.choice(value)
 
 
 class RowGrammar:
@@ -196,7 +237,7 @@ class Grammars:
                 raise ConstraintError(f"invalid {constraint.kind}: {e}") from None
             error = LLMatcher.validate_grammar(grammar, self.tokenizer)
             if error:
-                raise ConstraintError(f"invalid {constraint.kind}: {error.strip()}")
+                raise ConstraintError(f"invalid {constraint.kind}: {' '.join(error.split())}")
             self._grammars[constraint] = grammar
         return self._grammars[constraint]
 
