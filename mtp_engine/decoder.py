@@ -338,10 +338,6 @@ class Decoder:
         rows = self.rows
         grammars = [r.grammar for r in rows]
         constrained = any(g is not None for g in grammars)
-        if constrained and self._ahead is not None:  # the next masks need the dispatched step's tokens
-            done = self._flush()
-            if done:
-                return done
         host = mx.array([[r.x] for r in rows], dtype=mx.int32)
         xs = host if self._ahead is None else mx.where(mx.array(self._fed)[:, None], self._ahead, host)
         positions = mx.array([[len(r.finisher.tokens) + fed] for r, fed in zip(rows, self._fed)], dtype=mx.int32)
@@ -354,12 +350,15 @@ class Decoder:
         if any(p.penalized for p in params):  # each row's history: its tokens, and the one not read back yet
             logits = apply_penalties(logits, params, [r.finisher.tokens for r in rows], pending=self._ahead,
                                      fed=self._fed)
-        if constrained:
+        if constrained:  # the masks need the last step's tokens: read them while this forward computes
+            mx.async_eval(logits)
+            done = self._read_ahead()
             logits = constrain(logits, masks_of(grammars))
         ahead = choose(logits, params, positions)  # [R, 1]
         mx.async_eval(ahead)
         self.hooks.lap("verify", ahead)
-        done = self._read_ahead()
+        if not constrained:
+            done = self._read_ahead()
         self._ahead, self._ahead_hidden, self._fed = ahead, hidden, [True] * len(rows)
         self._ahead_logits = logits if any(r.trace is not None or r.logprobs is not None for r in rows) else None
         self._plain_steps += 1

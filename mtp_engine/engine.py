@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mtp_engine.cache.capture import make_main_cache
-from mtp_engine.constraints import Grammars, tokenizer_json
+from mtp_engine.constraints import Constraint, Grammars, tokenizer_json
 from mtp_engine.decoder import Decoder
 from mtp_engine.drafters.select import DrafterParts, build_drafters, make_drafter, pick
 from mtp_engine.kernels import cpu_blas
@@ -183,7 +183,7 @@ class MTPEngine:
     def generate(self, prompt: str | list[int], *, decode: DecodeConfig | None = None,
                  sampling: SamplingParams | None = None, max_tokens: int = 256,
                  stop: str | list[str] | None = None, trace: bool = False, prefix: PrefixState | None = None,
-                 logprobs: int | None = None, **shortcuts) -> GenerationResult:
+                 logprobs: int | None = None, constraint: Constraint | None = None, **shortcuts) -> GenerationResult:
         """Decode one prompt: greedily, or sampling (`mtp_engine.sampling`).
 
         Args:
@@ -200,6 +200,7 @@ class MTPEngine:
             logprobs: 0..20: record each token's log-probability and that
                 many likeliest alternatives in ``result.logprobs``
                 (`mtp_engine.sampling.token_logprobs`).
+            constraint: What the output must match (`mtp_engine.constraints`).
             **shortcuts: Fields of either config, e.g. ``mode="tree"``,
                 ``temperature=0.8, seed=7``.
 
@@ -212,7 +213,8 @@ class MTPEngine:
         """
         decode, values = self.configs(decode, sampling, **shortcuts)
         (_, result), = self._decode([prompt], replace(decode, batch_size=1), [[make_sampling(**values)]],
-                                    [max_tokens], stop, trace, prefix, strict=True, logprobs=logprobs)
+                                    [max_tokens], stop, trace, prefix, strict=True, logprobs=logprobs,
+                                    constraint=constraint)
         return result
 
     def generate_samples(self, prompt: str | list[int], *, seeds: list[int | None],
@@ -275,7 +277,8 @@ class MTPEngine:
 
     def _decode(self, prompts, decode: DecodeConfig, samples: list[list[SamplingParams]], budgets: list[int],
                 stop, trace: bool, prefix: PrefixState | None = None, strict: bool = False,
-                logprobs: int | None = None) -> Iterator[tuple[tuple[int, int], GenerationResult]]:
+                logprobs: int | None = None, constraint: Constraint | None = None,
+                ) -> Iterator[tuple[tuple[int, int], GenerationResult]]:
         """``((prompt, sample), result)`` as rows finish, one decoder for all;
         ``prefix`` serves the prompts that continue it (``strict``: every
         prompt must)."""
@@ -289,7 +292,8 @@ class MTPEngine:
                 elif strict:
                     raise ValueError(f"the prompt ({len(ids)} tokens) does not start with the prefix's "
                                      f"{len(prefix)} tokens and go on past them")
-            decoder.add(i, prompt, params, max_tokens=budget, stop=stop, trace=trace, prefix=start, logprobs=logprobs)
+            decoder.add(i, prompt, params, max_tokens=budget, stop=stop, trace=trace, prefix=start, logprobs=logprobs,
+                        constraint=constraint)
         try:
             while decoder.pending:
                 yield from decoder.step()

@@ -235,3 +235,4 @@ def test_a_complete_grammar_stops_and_a_cut_one_says_so(tiny_engine):
     cut = results["cut"]
     assert cut.finish_reason == "length" and len(cut.tokens) == 3
     assert cut.note == "max_tokens (3) ended the output before it matched the JSON schema"
+    assert tiny_engine.generate("x", max_tokens=50, constraint=Constraint.choice(CHOICES)).text == results["choice"].text
