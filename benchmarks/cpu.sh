@@ -18,10 +18,12 @@
 #                                     # -> results/cpu-job.json
 #   bash benchmarks/cpu.sh prefix     # a job of 256 rows sharing a 512-token system prompt (python -m jobs.prefix_data),
 #                                     # 128 new tokens, B=32, prefix sharing off and on (~7 min) -> results/cpu-prefix.json
+#   bash benchmarks/cpu.sh constraints  # 64 prompts x 128 tokens at B=32, batched chain K=3 and auto, unconstrained and
+#                                       # with examples/record.schema.json (~4 min) -> results/cpu-constraints.json
 set -euo pipefail
 py=${PY:-.venv/bin/python}
 results=benchmarks/results
-case "${1:?bench, lossless, dataset, dataset-full, sampling, quantized, job or prefix}" in
+case "${1:?bench, lossless, dataset, dataset-full, sampling, quantized, job, prefix or constraints}" in
   bench)
     $py -m mtp_engine.bench --json "$results/cpu-bench.json" ;;
   lossless)
@@ -54,5 +56,9 @@ case "${1:?bench, lossless, dataset, dataset-full, sampling, quantized, job or p
       --model models/qwen3-next-tiny-stdlib --output /tmp/prefix-256.jsonl
     $py -m jobs.bench --dataset /tmp/prefix-256.jsonl --modes baseline,prefix_sharing=false baseline --rounds 2 \
       --max-tokens 128 --batch-size 32 --json "$results/cpu-prefix.json" ;;
+  constraints)
+    schema='json_schema="examples/record.schema.json"'
+    $py -m jobs.bench --limit 64 --max-tokens 128 --batch-size 32 --rounds 2 \
+      --modes chain:3 "chain:3,$schema" auto "auto,$schema" --json "$results/cpu-constraints.json" ;;
   *) echo "unknown suite $1" >&2; exit 2 ;;
 esac

@@ -121,22 +121,31 @@ def run_once(engine, dataset: str, model: str, output: Path, mode: str, temperat
         make_drafter = projecting(engine, args.acceptance_profile, references, greedy=temperature == 0,
                                   later=args.profile_after)
     log = io.StringIO()
+    grammars = engine.grammars  # constrained rows' masks: how many, and their host seconds
+    masks_before = (grammars.masks_made, grammars.mask_s)
     start = time.perf_counter()
     summary = run_job(config, engine=engine, stream=log, make_drafter=make_drafter)
     wall = time.perf_counter() - start
+    masks = (grammars.masks_made - masks_before[0], grammars.mask_s - masks_before[1])
     rows = datasets.load_from_disk(str(output))
     depths = [0] * (config.draft_tokens + 1)
+    prefill = sum((a or {}).get("prefill_s") or 0 for a in rows["acceptance"])  # prompts prefill one at a time
+    steps = sum((a or {}).get("steps") or 0 for a in rows["acceptance"])
+    accepted = sum((a or {}).get("accepted") or 0 for a in rows["acceptance"])
     for a in rows["acceptance"]:
         for d, n in enumerate((a or {}).get("depths") or []):
             depths[d] += n
     lines = log.getvalue().splitlines()
     _, totals, _ = folder_state(output, verify=False)  # the ledgers' figures, as `jobs status` reads them
     return {"mode": mode, "temperature": temperature, "wall_s": round(wall, 3), "tokens": summary.tokens, "rows": summary.committed,
-            "tok_s": round(summary.tokens / wall, 1), "warmup_s": round(totals.warmup_s, 3),
+            "tok_s": round(summary.tokens / wall, 1), "decode_tok_s": round(summary.tokens / (wall - prefill), 1),
+            "warmup_s": round(totals.warmup_s, 3),
             "controller": next((line for line in lines if line.startswith("auto:")), None),
             "prefixes": next((line for line in lines if line.startswith("prefixes:")), None),
             "completions": {r["id"]: r["token_ids"] or r["completion"] for r in rows},
-            "depths": depths if name == "auto" else None}
+            "depths": depths if name == "auto" else None,
+            "acceptance_length": round((accepted + steps) / steps, 3) if steps else None,
+            "masks": masks[0], "mask_us_per_token": round(masks[1] / summary.tokens * 1e6, 1) if masks[0] else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,7 +201,10 @@ def main(argv: list[str] | None = None) -> int:
                     runs.append(run)
                     print(f"T={temperature} round {r + 1}/{args.rounds} {mode}: {run['tok_s']} tok/s "
                           f"({run['tokens']} tokens, {run['wall_s']} s"
-                          + (f", warm-up {run['warmup_s']} s" if run["warmup_s"] else "") + ")"
+                          + (f", warm-up {run['warmup_s']} s" if run["warmup_s"] else "")
+                          + f", {run['decode_tok_s']} tok/s without prefill, acceptance length {run['acceptance_length']}"
+                          + (f", {run['masks']} masks, {run['mask_us_per_token']} us of masks per token"
+                             if run["masks"] else "") + ")"
                           + (f"\n  {run['controller']}" if run["controller"] else "")
                           + (f"\n  {run['prefixes']}" if run["prefixes"] else ""), file=sys.stderr, flush=True)
     summary = []
@@ -205,10 +217,15 @@ def main(argv: list[str] | None = None) -> int:
             rate = statistics.mean(run["tok_s"] for run in mine)
             same = all(run["completions"] == reference[0]["completions"] for run in mine)
             depths = [sum(d) for d in zip(*[run["depths"] for run in mine])] if mine[0]["depths"] else None
+            decode = statistics.mean(run["decode_tok_s"] for run in mine)
+            ref_decode = statistics.mean(run["decode_tok_s"] for run in reference)
             summary.append({"temperature": temperature, "mode": mode, "tok_s": round(rate, 1),
+                            "decode_ratio": round(decode / ref_decode, 3),
+                            "acceptance_length": statistics.mean(run["acceptance_length"] or 1 for run in mine),
                             "rounds": [run["tok_s"] for run in mine], "ratio": round(rate / ref_rate, 3),
                             "same_completions": same, "depths": depths})
-            print(f"T={temperature} {mode:>10}: {rate:8.1f} tok/s  {rate / ref_rate:5.2f}x  rounds "
+            print(f"T={temperature} {mode:>10}: {rate:8.1f} tok/s  {rate / ref_rate:5.2f}x (without prefill "
+                  f"{decode / ref_decode:.2f}x)  rounds "
                   f"{[run['tok_s'] for run in mine]}  same rows: {same}"
                   + (f"  depths chosen {depths}" if depths else ""))
     label = None

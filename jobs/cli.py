@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resume a folder written from another dataset, adding this dataset's rows to it")
     g.add_argument("--logprobs", type=int, metavar="N", help="store each generated token's log-probability and its "
                    "N likeliest alternatives, 0..20 (default: none; rows may set logprobs)")
+    g.add_argument("--json-schema", metavar="FILE", help="a JSON schema every completion must match, unless a row "
+                   "sets response_format, json_schema, regex or choices (default: none)")
+    g.add_argument("--regex", help="a regular expression every completion must match (as --json-schema)")
+    g.add_argument("--choices", metavar="A,B,...", help="the strings a completion must be one of, comma-separated "
+                   "or a JSON list (as --json-schema)")
     g.add_argument("--keep-columns", metavar="all|none|NAME,...", help="input columns every output row carries, as "
                    "text (default: all whose names no output column has, e.g. a reference answer or messages)")
     g.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=None,

@@ -6,8 +6,10 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, fields, replace
+from functools import cached_property
 from pathlib import Path
 
+from mtp_engine.constraints import Constraint, ConstraintError, from_fields, validate
 from mtp_engine.model.hub import resolve_model
 from mtp_engine.modes import DecodeConfig
 from mtp_engine.options import EngineOptions
@@ -105,6 +107,11 @@ class JobConfig:
         keep_columns: Input columns every output row carries (as text):
             None keeps each one whose name no output column has; a tuple
             names them (empty: none).
+        json_schema, regex, choices: The output constraint of rows that set
+            none of their own (`mtp_engine.constraints`): a JSON schema
+            file, a regular expression, or the strings the output must be
+            one of (a list, a JSON list or comma-separated text); at most
+            one.
     """
 
     dataset: str
@@ -150,6 +157,9 @@ class JobConfig:
     prefix_cache_gb: float | None = None
     keep_columns: tuple[str, ...] | None = None
     logprobs: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    choices: tuple[str, ...] | None = None
 
     def __post_init__(self):
         for f in fields(self):  # a config file's "false" is not a boolean, 5 is not a list of stop strings
@@ -208,6 +218,23 @@ class JobConfig:
         if self.n > 1 and self.temperature == 0:
             raise ConfigError(f"n = {self.n} with temperature 0 would write {self.n} copies of one greedy "
                               "completion; set --temperature above 0 (or n = 1)")
+        if isinstance(self.choices, str):  # the flag's form: a JSON list, or comma-separated
+            text = self.choices.strip()
+            try:
+                choices = json.loads(text) if text.startswith("[") else [c.strip() for c in text.split(",")]
+            except ValueError as e:
+                raise ConfigError(f"choices {self.choices!r} is not a JSON list: {e}") from None
+            object.__setattr__(self, "choices", choices)
+        if self.choices is not None:
+            object.__setattr__(self, "choices", tuple(self.choices))
+        try:
+            constraint = self.constraint()
+            if constraint is not None:
+                validate(constraint)
+        except ConstraintError as e:
+            raise ConfigError(str(e)) from None
+        if constraint is not None and self.mode not in BATCHED_MODES:
+            raise ConfigError(f"constrained rows draft chains; mode {self.mode!r} needs auto, chain or baseline")
         if self.sampler == "rejection" and self.mode not in ("chain", "baseline", "auto"):
             raise ConfigError(f"sampler 'rejection' drafts chains; mode {self.mode!r} needs sampler 'exact' "
                               "(or mode chain)")
@@ -217,6 +244,24 @@ class JobConfig:
         from ``seed``)."""
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.min_p, self.seed, self.sampler,
                               self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
+
+    def constraint(self) -> Constraint | None:
+        """The job's output constraint (rows may set their own), read once."""
+        return self._constraint
+
+    @cached_property
+    def _constraint(self) -> Constraint | None:
+        schema = None
+        if self.json_schema is not None:
+            try:
+                schema = Path(self.json_schema).expanduser().read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"json_schema {self.json_schema!r} cannot be read: "
+                                  f"{getattr(e, 'strerror', None) or e}") from None
+        try:
+            return from_fields({"json_schema": schema, "regex": self.regex, "choices": self.choices})
+        except ConstraintError as e:
+            raise ConfigError(f"json_schema {self.json_schema!r}: {e}" if schema is not None else str(e)) from None
 
     def engine_options(self) -> EngineOptions:
         """The engine's fast-path switches: environment defaults, then ours."""
@@ -266,6 +311,9 @@ class JobConfig:
             for name in PENALTIES:  # only when set: folders written before penalties keep their fingerprint
                 if getattr(self, name) != getattr(SamplingParams, name):
                     d["sampling"][name] = getattr(self, name)
+        constraint = self.constraint()
+        if constraint is not None:  # only then: folders written before constraints keep their fingerprint
+            d["constraint"] = {"kind": constraint.kind, "value": constraint.value}
         if self.mode != "baseline":
             d["draft_tokens"] = self.draft_tokens
             if self.mode == "paths":

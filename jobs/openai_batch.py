@@ -6,7 +6,8 @@ the body's ``messages`` (``/v1/chat/completions``) or ``prompt``
 (``/v1/completions``), ``max_completion_tokens`` or ``max_tokens``,
 ``temperature``, ``top_p``, ``n``, ``seed``, ``stop``, ``presence_penalty``
 and ``frequency_penalty`` become the row's fields (``top_k``, ``min_p`` and
-``repetition_penalty`` too, as vLLM accepts them). Fields the job
+``repetition_penalty`` too, as vLLM accepts them) and ``response_format``
+(`mtp_engine.constraints`: ``json_object`` or ``json_schema``). Fields the job
 cannot honour are named once in the job's log (`UnknownFields`), never
 dropped silently; ``model`` is ignored (the job's model writes every row).
 Body fields a line leaves out take the job's settings (not OpenAI's
@@ -85,8 +86,10 @@ def request_row(data: dict, id_field: str, prompt_field: str, messages_field: st
         row["logprobs"] = body.get("top_logprobs") or 0
     elif url == COMPLETIONS_URL and body.get("logprobs") is not None:  # completions: logprobs N
         row["logprobs"] = body["logprobs"]
+    if body.get("response_format") is not None:
+        row["response_format"] = body["response_format"]
     used = {"messages", "prompt", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
-            *SAMPLING_FIELDS}
+            "response_format", *SAMPLING_FIELDS}
     unknown = sorted(k for k in body if k not in used and body[k] is not None)
     return row, unknown
 

@@ -5,7 +5,9 @@ A row gives either a ``prompt`` string (used as is) or chat ``messages``
 Optional per-row fields override the job's: ``max_tokens``, ``stop``,
 ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``seed``, ``n``, the
 penalties (``repetition_penalty``, ``presence_penalty``,
-``frequency_penalty``) and ``logprobs``. A line
+``frequency_penalty``), ``logprobs`` and a constraint on the output
+(``response_format``, ``json_schema``, ``regex`` or ``choices``:
+`mtp_engine.constraints`; a bad one is an ``invalid_constraint`` error row). A line
 of an OpenAI batch file is read as such a row (`jobs.openai_batch`). Every
 problem becomes one error row with a kind and a message; nothing here
 raises for bad input, except a chat template that runs past
@@ -23,8 +25,9 @@ from dataclasses import dataclass, field, replace
 import orjson
 
 from jobs import openai_batch
-from jobs.config import MAX_N, JobConfig
+from jobs.config import BATCHED_MODES, MAX_N, JobConfig
 from jobs.readers import SourceRow
+from mtp_engine.constraints import Constraint, ConstraintError, from_fields, validate
 from mtp_engine.sampling import MAX_LOGPROBS, SamplingParams
 
 SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
@@ -93,6 +96,7 @@ class Request:
     chat: bool = False
     kept: dict = field(default_factory=dict)
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
     def seed(self, sample: int) -> int:
         """Completion ``sample``'s derived seed (`completion_seed`)."""
@@ -156,6 +160,7 @@ class Preparer:
         self.unknown = openai_batch.UnknownFields(log)
         self.keep_columns = keep_columns
         self.logprob_columns = logprob_columns
+        self.checked: dict[Constraint, str | None] = {}  # each constraint's problem, once
         self.rendered = 0  # chat rows rendered in time
         self.timeouts = 0
         self.template_options = dict(config.chat_template_kwargs or {})
@@ -248,6 +253,10 @@ class Preparer:
             return self._error(row, rid, "invalid_field", f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got "
                                f"{logprobs!r}", prompt, chat)
 
+        constraint = self._constraint(data)
+        if isinstance(constraint, str):
+            return self._error(row, rid, "invalid_constraint", constraint, prompt, chat)
+
         ids = list(self.tokenizer.encode(prompt))
         if not ids:
             return self._error(row, rid, "empty_prompt", "prompt encodes to no tokens", prompt, chat)
@@ -258,7 +267,26 @@ class Preparer:
                 prompt,
             )
         return Request(rid, row.index, row.line, prompt, ids, max_tokens, tuple(stop), sampling, n, chat,
-                       self._kept(row), logprobs if self.logprob_columns else None)
+                       self._kept(row), logprobs if self.logprob_columns else None, constraint)
+
+    def _constraint(self, data: dict) -> Constraint | None | str:
+        """The row's constraint (its own fields, else the job's), or what is
+        wrong with it."""
+        try:
+            constraint = from_fields(data)
+        except ConstraintError as e:
+            return str(e)
+        if constraint is None:  # a row's response_format "text" asks for none
+            return self.config.constraint() if data.get("response_format") is None else None
+        if self.config.mode not in BATCHED_MODES:
+            return f"constrained rows draft chains; mode {self.config.mode!r} needs auto, chain or baseline"
+        if constraint not in self.checked:
+            try:
+                validate(constraint)
+                self.checked[constraint] = None
+            except ConstraintError as e:
+                self.checked[constraint] = str(e)
+        return self.checked[constraint] or constraint
 
     def _sampling(self, data: dict) -> tuple[SamplingParams | str, int]:
         """The row's sampling and n (the job's, with the row's overrides),

@@ -598,7 +598,8 @@ def _alone(engine, config, item: Work, finish, attempts: int = 2) -> None:
         decoder = Decoder(engine, replace(config.decode_config(), batch_size=len(item.samples)))
         try:
             decoder.add(req.id, req.prompt_ids, [req.sample_params(j) for j in item.samples],
-                        max_tokens=req.max_tokens, stop=list(req.stop) or None, logprobs=req.logprobs)
+                        max_tokens=req.max_tokens, stop=list(req.stop) or None, logprobs=req.logprobs,
+                        constraint=req.constraint)
             results = {}
             while decoder.pending:
                 results.update(decoder.step())
@@ -674,7 +675,7 @@ def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lamb
                 prefix = prefixes.find(req.prompt_ids) if prefixes is not None else None
                 decoder.add(req.id, req.prompt_ids, [req.sample_params(j) for j in item.samples],
                             max_tokens=req.max_tokens, stop=list(req.stop) or None, prefix=prefix,
-                            logprobs=req.logprobs)
+                            logprobs=req.logprobs, constraint=req.constraint)
             except Exception:  # the row alone names what is wrong with it
                 _alone(engine, config, item, finish)
                 continue

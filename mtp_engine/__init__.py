@@ -25,6 +25,8 @@ _PUBLIC = {
     "DecodeConfig": "mtp_engine.modes",
     "SamplingParams": "mtp_engine.sampling",
     "EngineOptions": "mtp_engine.options",
+    "Constraint": "mtp_engine.constraints",
+    "ConstraintError": "mtp_engine.constraints",
 }
 
 
@@ -47,4 +49,6 @@ __all__ = [
     "MODES",
     "DecodeConfig",
     "SamplingParams",
+    "Constraint",
+    "ConstraintError",
 ]

@@ -34,6 +34,7 @@ import mlx.core as mx
 
 from mtp_engine.cache.batch import BatchKVCache, append_row, filter_rows, make_batch_cache, replace_row, trim_leading
 from mtp_engine.cache.capture import make_main_cache
+from mtp_engine.constraints import Constraint, RowGrammar, constrain, masks_of
 from mtp_engine.controller import Controller, RowAcceptance
 from mtp_engine.drafters.select import GREEDY_ONLY
 from mtp_engine.modes import CHAINS, DecodeConfig
@@ -68,6 +69,7 @@ class _Row:
     ghost: bool = False  # finished: a place kept until a joining row takes it (`Decoder._compact`)
     logprobs: int | None = None  # alternatives per token, when its log-probabilities are asked for
     lp: list = field(default_factory=list)  # each emitted token's (logprob, alternatives)
+    grammar: RowGrammar | None = None  # a constrained row's grammar state (dropped when it finishes)
 
     @property
     def budget(self) -> int:
@@ -85,6 +87,7 @@ class _Queued:
     trace: bool
     prefix: PrefixState | None = None
     logprobs: int | None = None
+    constraint: Constraint | None = None
 
 
 def top_logits(logits: mx.array, k: int = 4) -> list[list[tuple[int, float]]]:
@@ -141,12 +144,15 @@ class Decoder:
 
     def add(self, key: Hashable, prompt: str | list[int], samples: list[SamplingParams], *, max_tokens: int = 256,
             stop: str | list[str] | None = None, trace: bool = False, prefix: PrefixState | None = None,
-            logprobs: int | None = None) -> None:
+            logprobs: int | None = None, constraint: Constraint | None = None) -> None:
         """Queue a prompt: one row per sample, keyed ``(key, j)``, all
         sharing one prefill (of the tokens after ``prefix``, a
         `mtp_engine.prefix.PrefixState` the prompt continues, where given);
         ``logprobs=N`` records each token's log-probability and N
-        alternatives. Raises the errors of `MTPEngine.generate`."""
+        alternatives; ``constraint`` makes each row's output match it.
+        Raises the errors of `MTPEngine.generate`, and
+        `mtp_engine.constraints.ConstraintError` for a constraint that does
+        not compile."""
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         if not samples or not all(isinstance(p, SamplingParams) for p in samples):
@@ -156,10 +162,14 @@ class Decoder:
         stops = stop_list(stop)
         engine = self.engine
         ids = engine.check_prompt(engine.encode(prompt))
+        if constraint is not None:
+            self._check_constraint(constraint)
+        plain_greedy = all(p.greedy for p in samples) and constraint is None  # rows the C++ drafter can draft
         if self.k and self._own_drafter:  # a drafter that cannot draft these rows is named now
-            engine.pick_drafter(self.decode.mode, self.decode.drafter, all(p.greedy for p in samples))
-        elif self.k and self.drafter.name in GREEDY_ONLY and not all(p.greedy for p in samples):
-            raise ValueError(f"the {self.drafter.name} drafter drafts greedily; sampled rows need the MLX head")
+            engine.pick_drafter(self.decode.mode, self.decode.drafter, plain_greedy)
+        elif self.k and self.drafter.name in GREEDY_ONLY and not plain_greedy:
+            raise ValueError(f"the {self.drafter.name} drafter drafts greedily, unmasked; sampled and constrained "
+                             "rows need the MLX head")
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {logprobs!r}")
@@ -167,7 +177,18 @@ class Decoder:
             raise ValueError(f"the prompt ({len(ids)} tokens) does not start with the prefix's {len(prefix)} tokens "
                              "and go on past them")
         self.queue.append(_Queued(key, ids, min(max_tokens, engine.context_length - len(ids)), stops,
-                                  list(samples), trace, prefix, logprobs))
+                                  list(samples), trace, prefix, logprobs, constraint))
+
+    def _check_constraint(self, constraint: Constraint) -> None:
+        """Raise unless rows of ``constraint`` can decode here."""
+        if not isinstance(constraint, Constraint):
+            raise TypeError(f"constraint must be a Constraint, got {type(constraint).__name__}")
+        if self.k and self.decode.mode not in CHAINS:
+            raise ValueError(f"constrained rows draft chains; mode {self.decode.mode!r} needs baseline, auto or chain")
+        if self.k and self.decode.drafter in GREEDY_ONLY:
+            raise ValueError(f"the {self.decode.drafter} drafter cannot mask drafts; constrained rows draft with "
+                             "the MLX head (drafter='mlx' or 'auto')")
+        self.engine.grammars.check(constraint)
 
     def warm_up(self, sampling: SamplingParams) -> tuple[float, int]:
         """Meet, before the first row, every step shape this decoder takes:
@@ -233,6 +254,7 @@ class Decoder:
         for b in done:
             finished.append((self.rows[b].key, self._result(self.rows[b])))
             self.rows[b].ghost = True
+            self.rows[b].grammar = None
         return finished
 
     def _speculative_step(self, depth: int) -> list[int]:
@@ -242,9 +264,11 @@ class Decoder:
         params = [r.sampling for r in rows]
         starts = [len(r.finisher.tokens) for r in rows]  # the generated position verify column 0 predicts
         caps = [max(0, min(depth, r.budget - 1)) for r in rows]
+        grammars = [r.grammar for r in rows]
+        masked = {"grammars": grammars} if any(g is not None for g in grammars) else {}
         self.hooks.lap(None)
         t0 = time.perf_counter()
-        proposal = self.drafter.propose(self.decode, depth, params, starts, caps)
+        proposal = self.drafter.propose(self.decode, depth, params, starts, caps, **masked)
         self.hooks.lap("draft", proposal.tokens)
         t1 = time.perf_counter()
         xs = mx.array([[r.x] for r in rows], dtype=mx.int32)
@@ -276,7 +300,7 @@ class Decoder:
             if row.trace is not None:
                 row.trace.append(StepTrace([v.paths[i] for i in mine], v.accepted[w], mine.index(w), tokens,
                                            top_logits(v.logits[w, : len(tokens)])))
-            row.finisher.add(tokens)
+            self._emit(row, tokens)
             if row.finisher.done:
                 done.append(b)
         # log-probabilities from the verify forward's logits at the winning path's positions
@@ -295,6 +319,8 @@ class Decoder:
         """One plain forward for every row, dispatched before the last
         step's tokens are read (each fed row's ``_ahead`` token)."""
         rows = self.rows
+        grammars = [r.grammar for r in rows]
+        constrained = any(g is not None for g in grammars)
         host = mx.array([[r.x] for r in rows], dtype=mx.int32)
         xs = host if self._ahead is None else mx.where(mx.array(self._fed)[:, None], self._ahead, host)
         positions = mx.array([[len(r.finisher.tokens) + fed] for r, fed in zip(rows, self._fed)], dtype=mx.int32)
@@ -307,10 +333,15 @@ class Decoder:
         if any(p.penalized for p in params):  # each row's history: its tokens, and the one not read back yet
             logits = apply_penalties(logits, params, [r.finisher.tokens for r in rows], pending=self._ahead,
                                      fed=self._fed)
+        if constrained:  # the masks need the last step's tokens: read them while this forward computes
+            mx.async_eval(logits)
+            done = self._read_ahead()
+            logits = constrain(logits, masks_of(grammars))
         ahead = choose(logits, params, positions)  # [R, 1]
         mx.async_eval(ahead)
         self.hooks.lap("verify", ahead)
-        done = self._read_ahead()
+        if not constrained:
+            done = self._read_ahead()
         self._ahead, self._ahead_hidden, self._fed = ahead, hidden, [True] * len(rows)
         self._ahead_logits = logits if any(r.trace is not None or r.logprobs is not None for r in rows) else None
         self._plain_steps += 1
@@ -339,7 +370,7 @@ class Decoder:
                     s.row_wins[0] += 1
                 if row.trace is not None and self._ahead_logits is not None:
                     row.trace.append(StepTrace([[]], 0, 0, tokens[b], top_logits(self._ahead_logits[b])))
-                row.finisher.add(tokens[b])
+                self._emit(row, tokens[b])
                 if row.finisher.done:
                     done.append(b)
         if self._ahead_logits is not None:
@@ -349,6 +380,13 @@ class Decoder:
         if self._ahead_hidden is not None:
             self.drafter.extend(self._ahead_hidden, [tokens[b] if fed else [] for b, fed in enumerate(self._fed)])
         return done
+
+    def _emit(self, row: _Row, tokens: list[int]) -> None:
+        """Hand a row's emitted tokens to its finisher and its grammar (a
+        grammar that takes no more tokens ends the row: finish reason "stop")."""
+        row.finisher.add(tokens)
+        if row.grammar is not None and row.grammar.commit(tokens) and not row.finisher.done:
+            row.finisher.reason = "stop"
 
     def _record_logprobs(self, want: list[int], logits_of, tokens: list[list[int]]) -> None:
         """Append to each row ``b`` of ``want`` its ``tokens[b]``'s
@@ -370,14 +408,14 @@ class Decoder:
 
     # -- rows joining and leaving ---------------------------------------------
 
-    def _ready_for(self, samples: list[SamplingParams]) -> bool:
-        """Whether rows sampling as ``samples`` can join now. The drafter is
-        made for the first rows; "auto" drafts greedy rows with the C++ head
-        (or the CUDA kernel) where there is one, so the first sampled rows
+    def _ready_for(self, q: _Queued) -> bool:
+        """Whether rows of ``q`` can join now. The drafter is made for the
+        first rows; "auto" drafts greedy rows with the C++ head (or the CUDA
+        kernel) where there is one, so the first sampled or constrained rows
         wait for an empty batch, which then drafts with the MLX head."""
         if not self.k:
             return True
-        greedy = all(p.greedy for p in samples)
+        greedy = all(p.greedy for p in q.samples) and q.constraint is None
         if self.drafter is not None and (greedy or self.drafter.name not in GREEDY_ONLY):
             return True
         if self.live or not self._own_drafter:
@@ -393,7 +431,7 @@ class Decoder:
         places, or an empty batch)."""
         finished = []
         replaced = False
-        while self.queue and self._ready_for(self.queue[0].samples):
+        while self.queue and self._ready_for(self.queue[0]):
             if self.live and self.live + len(self.queue[0].samples) > self.decode.batch_size:
                 break
             free = [b for b, r in enumerate(self.rows) if r.ghost]
@@ -429,8 +467,11 @@ class Decoder:
             hidden = mx.concatenate([q.prefix.hidden, hidden], axis=1)
         self.hooks.lap("prefill")
         prefill_s = (time.perf_counter() - t0) / len(q.samples)
-        firsts = choose(mx.concatenate([logits] * len(q.samples)), q.samples,
-                        mx.zeros((len(q.samples), 1), dtype=mx.int32)).tolist()  # generated position 0
+        logits = mx.concatenate([logits] * len(q.samples))
+        grammars = [engine.grammars.row(q.constraint) for _ in q.samples] if q.constraint is not None else None
+        if grammars is not None:
+            logits = constrain(logits, masks_of(grammars))
+        firsts = choose(logits, q.samples, mx.zeros((len(q.samples), 1), dtype=mx.int32)).tolist()  # position 0
         finished = []
         decode = self.decode
         for j, (params, (x,)) in enumerate(zip(q.samples, firsts)):
@@ -444,10 +485,10 @@ class Decoder:
             finisher = Finisher(engine.tokenizer, engine.eos_token_ids, q.max_tokens, q.stop)
             row = _Row(key, q.prompt, finisher, stats, x, params, [] if q.trace else None,
                        acceptance=RowAcceptance.empty(self.k) if self.controller is not None else None,
-                       logprobs=q.logprobs)
+                       logprobs=q.logprobs, grammar=grammars[j] if grammars is not None else None)
             if q.logprobs is not None:  # the first token, from the prefill's logits
-                row.lp = token_logprobs(logits, [params], [[x]], [q.logprobs])[0]
-            finisher.add([x])
+                row.lp = token_logprobs(logits[j : j + 1], [params], [[x]], [q.logprobs])[0]
+            self._emit(row, [x])
             if finisher.done:
                 finished.append((key, self._result(row)))
                 continue
@@ -487,7 +528,11 @@ class Decoder:
         s = row.stats
         s.decode_s = time.perf_counter() - row.joined_at
         s.generated_tokens = len(row.finisher.tokens)
-        return GenerationResult(tokens=row.finisher.tokens, text=row.finisher.text(),
-                                finish_reason=row.finisher.reason or "length", stats=s, prompt_tokens=row.prompt,
-                                trace=row.trace,
-                                logprobs=row.lp[: len(row.finisher.tokens)] if row.logprobs is not None else None)
+        reason = row.finisher.reason or "length"
+        g = row.grammar
+        note = (f"max_tokens ({row.finisher.max_tokens}) ended the output before it matched {g.constraint.describe()}"
+                if g is not None and reason == "length" and not g.accepting else None)
+        return GenerationResult(tokens=row.finisher.tokens, text=row.finisher.text(), finish_reason=reason, stats=s,
+                                prompt_tokens=row.prompt, trace=row.trace,
+                                logprobs=row.lp[: len(row.finisher.tokens)] if row.logprobs is not None else None,
+                                note=note)

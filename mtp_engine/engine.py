@@ -19,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mtp_engine.cache.capture import make_main_cache
+from mtp_engine.constraints import Constraint, Grammars, tokenizer_json
 from mtp_engine.decoder import Decoder
 from mtp_engine.drafters.select import DrafterParts, build_drafters, make_drafter, pick
 from mtp_engine.kernels import cpu_blas
@@ -66,6 +67,7 @@ class MTPEngine:
                                                      lm_head_module(self.model), prefill_step_size, self.options)
         self.fast_paths: list[FastPathStatus] = [cpu_blas.status(self.options), *checkpoint.fast_paths,
                                                  *self.drafters.statuses, attention_status()]
+        self._grammars: Grammars | None = None  # built when the first constrained row comes
 
     @classmethod
     def load(
@@ -147,6 +149,13 @@ class MTPEngine:
 
     # -- generation ------------------------------------------------------------
 
+    @property
+    def grammars(self) -> Grammars:
+        """The grammar compiler of constrained rows (`mtp_engine.constraints`), built on first use."""
+        if self._grammars is None:
+            self._grammars = Grammars(tokenizer_json(self.tokenizer), self.text.args.vocab_size, self.eos_token_ids)
+        return self._grammars
+
     def pick_drafter(self, mode: str, choice: str = "auto", greedy: bool = True) -> str:
         """The drafter ``choice`` means for ``mode`` here (`mtp_engine.drafters.select.pick`)."""
         return pick(self.drafters, mode, choice, greedy)
@@ -172,7 +181,7 @@ class MTPEngine:
     def generate(self, prompt: str | list[int], *, decode: DecodeConfig | None = None,
                  sampling: SamplingParams | None = None, max_tokens: int = 256,
                  stop: str | list[str] | None = None, trace: bool = False, prefix: PrefixState | None = None,
-                 logprobs: int | None = None, **shortcuts) -> GenerationResult:
+                 logprobs: int | None = None, constraint: Constraint | None = None, **shortcuts) -> GenerationResult:
         """Decode one prompt: greedily, or sampling (`mtp_engine.sampling`).
 
         Args:
@@ -189,6 +198,7 @@ class MTPEngine:
             logprobs: 0..20: record each token's log-probability and that
                 many likeliest alternatives in ``result.logprobs``
                 (`mtp_engine.sampling.token_logprobs`).
+            constraint: What the output must match (`mtp_engine.constraints`).
             **shortcuts: Fields of either config, e.g. ``mode="tree"``,
                 ``temperature=0.8, seed=7``.
 
@@ -201,7 +211,8 @@ class MTPEngine:
         """
         decode, values = self.configs(decode, sampling, **shortcuts)
         (_, result), = self._decode([prompt], replace(decode, batch_size=1), [[make_sampling(**values)]],
-                                    [max_tokens], stop, trace, prefix, strict=True, logprobs=logprobs)
+                                    [max_tokens], stop, trace, prefix, strict=True, logprobs=logprobs,
+                                    constraint=constraint)
         return result
 
     def generate_samples(self, prompt: str | list[int], *, seeds: list[int | None],
@@ -264,14 +275,16 @@ class MTPEngine:
 
     def _decode(self, prompts, decode: DecodeConfig, samples: list[list[SamplingParams]], budgets: list[int],
                 stop, trace: bool, prefix: PrefixState | None = None, strict: bool = False,
-                logprobs: int | None = None) -> Iterator[tuple[tuple[int, int], GenerationResult]]:
+                logprobs: int | None = None, constraint: Constraint | None = None,
+                ) -> Iterator[tuple[tuple[int, int], GenerationResult]]:
         """``((prompt, sample), result)`` as rows finish, one decoder for all;
         ``prefix`` serves the prompts that continue it (``strict``: every
         prompt must)."""
         decoder = Decoder(self, decode)
         for i, (prompt, params, budget) in enumerate(zip(prompts, samples, budgets)):
             start = prefix if strict or prefix is None or prefix.continues(self.encode(prompt)) else None
-            decoder.add(i, prompt, params, max_tokens=budget, stop=stop, trace=trace, prefix=start, logprobs=logprobs)
+            decoder.add(i, prompt, params, max_tokens=budget, stop=stop, trace=trace, prefix=start, logprobs=logprobs,
+                        constraint=constraint)
         try:
             while decoder.pending:
                 yield from decoder.step()

@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from mtp_engine.cache.batch import commit_rows, filter_rows
 from mtp_engine.cache.capture import StateCaptureCache
+from mtp_engine.constraints import constrain
 from mtp_engine.drafters.base import Proposal
 from mtp_engine.sampling import ACCEPT, RESIDUAL, SamplingParams, apply_penalties, choose, gumbel
 from mtp_engine.sampling import scaled_logprobs, uniforms
@@ -146,6 +147,7 @@ def verify(trunk, lm_head, caches: list, xs: mx.array, proposal: Proposal, param
     vstarts = [starts[o] for o in owners]
     if histories is not None:
         logits = apply_penalties(logits, vparams, [histories[o] for o in owners], inputs[:, 1:])
+    logits = constrain(logits, proposal.masks)  # constrained rows: what their grammars allow
     rejecting = [q_scaled is not None and p.sampler == "rejection" and not p.greedy for p in vparams]
     lazy = []
     if not all(rejecting):  # rows whose drafts match targets (greedy, exact sampler)

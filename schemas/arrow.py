@@ -130,7 +130,7 @@ def completion_row(
         "prompt_tokens": s.prompt_tokens,
         "completion_tokens": len(result.tokens),
         "finish_reason": result.finish_reason,
-        "error": None,
+        "error": f"constraint_incomplete: {result.note}" if result.note else None,
         "acceptance": acceptance,
     }
 

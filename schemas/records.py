@@ -116,6 +116,9 @@ class GenerationResult:
         logprobs: With ``logprobs=N``: each token's log-probability and its
             N likeliest alternatives, ``(logprob, [(token, logprob), ...])``
             (`mtp_engine.sampling.token_logprobs`), else None.
+        note: Why the output falls short of what was asked, else None: a
+            constrained row that ``max_tokens`` cut before its output
+            matched the constraint (finish reason "length").
     """
 
     tokens: list[int]
@@ -125,3 +128,4 @@ class GenerationResult:
     prompt_tokens: list[int] = field(default_factory=list)
     trace: list[StepTrace] | None = None
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    note: str | None = None

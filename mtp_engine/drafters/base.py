@@ -30,12 +30,15 @@ class Proposal:
         uses: How many of its ``k`` drafts each verify row uses (None: all).
         q_scaled: Rejection sampler: the head's ``[V, k, vocab]`` filtered,
             temperature-scaled log-probabilities at the drafts (chains).
+        masks: Constrained rows (`mtp_engine.constraints`): ``[V, k+1,
+            vocab]`` bool, the tokens each verified position allows.
     """
 
     tokens: mx.array
     owners: list[int] | None = None
     uses: list[int] | None = None
     q_scaled: mx.array | None = None
+    masks: mx.array | None = None
 
     @classmethod
     def padded(cls, paths: list[list[int]], caps: list[int], owners: list[int] | None = None) -> "Proposal":
@@ -72,9 +75,11 @@ class Drafter(Protocol):
         ``(hidden[b, 0], tokens[b][0])`` after its pending ones, where
         ``tokens[b]`` holds that step's token or nothing (a row not fed)."""
 
-    def propose(self, decode, k: int, params: list, starts: list[int], caps: list[int]) -> Proposal:
+    def propose(self, decode, k: int, params: list, starts: list[int], caps: list[int], grammars=None) -> Proposal:
         """Drafts for one verify forward (``k`` deep at most, row ``b`` using
-        at most ``caps[b]``, its choices at generated positions ``starts[b]..``)."""
+        at most ``caps[b]``, its choices at generated positions ``starts[b]..``,
+        masked by its `mtp_engine.constraints.RowGrammar` where ``grammars``
+        has one: the MLX head only)."""
 
     def commit(self, hidden: mx.array, emitted: list[list[int]], winners: list[int]) -> None:
         """Rewind what drafting wrote and queue each row's accepted pairs:

@@ -27,6 +27,7 @@ import mlx.nn as nn
 from mtp_engine.cache.batch import BatchKVCache
 from mtp_engine.drafters.base import Proposal
 from mtp_engine.drafters.compiled_head import CompiledHead
+from mtp_engine.drafters.constrained import masked_chain
 from mtp_engine.model.mtp_head import MTPHead
 from mtp_engine.modes import CHAINS, SPECULATIVE_MODES, DecodeConfig
 from mtp_engine.options import MAX_VERIFY_WIDTH
@@ -164,11 +165,13 @@ class HeadDrafter:
     # -- drafting -----------------------------------------------------------
 
     def propose(self, decode: DecodeConfig, k: int, params: list[SamplingParams], starts: list[int],
-                caps: list[int]) -> Proposal:
+                caps: list[int], grammars: list | None = None) -> Proposal:
         if k < 1:
             raise ValueError(f"a draft needs k >= 1 tokens, got {k}")
         m = self._consume()
         mode = decode.mode
+        if grammars is not None:
+            return masked_chain(self, m, k, params, starts, caps, grammars)
         if mode in CHAINS or (mode == "paths" and decode.paths == 1):
             return self._chain(m, k, params, starts, caps)
         if mode == "adaptive":

@@ -4,7 +4,9 @@
 sampling: the C++ head for greedy chains and adaptive chains where the
 engine has it, else the CUDA chain kernel for greedy chains (a batch of one
 row; other batches fall back to the MLX head inside it), else the MLX head.
-Drafters change speed, never output.
+Constrained rows (`mtp_engine.constraints`) draft masked chains with the
+MLX head: modes baseline, auto and chain. Drafters change speed, never
+output.
 """
 
 from __future__ import annotations
