@@ -146,9 +146,9 @@ def test_decoding_with_the_emulated_kernel_equals_plain_decoding(engines):
     engine.drafters.kernel = make_kernel(engine, EmulatedKernel)
     try:
         for prompt in (PROMPTS[0], PROMPTS[3]):
-            plain = engine.generate(prompt, max_tokens=24, mode="baseline")
-            mlx_run = engine.generate(prompt, max_tokens=24, mode="chain", draft_tokens=3, drafter="mlx")
-            kernel_run = engine.generate(prompt, max_tokens=24, mode="chain", draft_tokens=3, drafter="cuda")
+            plain = engine.generate(prompt, max_tokens=12, mode="baseline")
+            mlx_run = engine.generate(prompt, max_tokens=12, mode="chain", draft_tokens=3, drafter="mlx")
+            kernel_run = engine.generate(prompt, max_tokens=12, mode="chain", draft_tokens=3, drafter="cuda")
             assert kernel_run.tokens == plain.tokens
             assert kernel_run.stats.histogram == mlx_run.stats.histogram
     finally:
