@@ -46,6 +46,8 @@ out=${OUT:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH=/root/site:$PWD
 bench="python3 -u -m mtp_engine.bench"
+# Result files are named after the card that made them: h200-*.json or h100-*.json.
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && echo h100 || echo h200)
 
 case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audit, job-80b, job-80b-b8, job-80b-sampled, job-80b-weak, job-80b-falling, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
@@ -57,32 +59,31 @@ case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audi
   shipped)
     timeout "${LIMIT:-300}" $bench --limit 8 --max-tokens 64 --rounds 3 \
       --modes baseline mlx_lm chain-k2 chain-k3 chain-k4 chain-k6 chain-k8 --batch-sizes \
-      --json "$out/h200-shipped.json" 2>&1 | grep -v "^round" ;;
+      --json "$out/$gpu-shipped.json" 2>&1 | grep -v "^round" ;;
   dataset)
     timeout "${LIMIT:-300}" $bench --suite dataset --limit 32 --max-tokens 128 --batch-sizes 8 16 32 \
-      --draft-tokens 1 2 3 4 --single-k 4 --json "$out/h200-dataset.json" 2>&1 | grep -v "^round"
+      --draft-tokens 1 2 3 4 --single-k 4 --json "$out/$gpu-dataset.json" 2>&1 | grep -v "^round"
     timeout "${LIMIT:-420}" $bench --suite dataset --limit 48 --max-tokens 128 --batch-sizes 16 32 \
-      --draft-tokens 2 3 --single-k 4 --no-mlx-lm-batch --loop-free --json "$out/h200-dataset-loop-free.json" \
+      --draft-tokens 2 3 --single-k 4 --no-mlx-lm-batch --loop-free --json "$out/$gpu-dataset-loop-free.json" \
       2>&1 | grep -v "^round" ;;
   sampling)
     timeout "${LIMIT:-300}" $bench --suite sampling --limit 4 --max-tokens 64 --rounds 1 --temperatures 0.7 1.0 \
-      --sampling-k 2 3 --json "$out/h200-sampling.json" 2>&1 | grep -v "^round" ;;
+      --sampling-k 2 3 --json "$out/$gpu-sampling.json" 2>&1 | grep -v "^round" ;;
   lossless)
     timeout "${LIMIT:-200}" python3 -u -m mtp_engine.lossless --limit 8 --max-tokens 64 \
-      --json "$out/h200-lossless.json" 2>&1 | tail -20 ;;
+      --json "$out/$gpu-lossless.json" 2>&1 | tail -20 ;;
   job)
     timeout "${LIMIT:-560}" python3 -u -m jobs.bench --dataset examples/prompts.jsonl --limit 64 --max-tokens 96 \
-      --modes baseline auto chain:3 --rounds 2 --batch-size 32 --temperatures 0 0.7 --json "$out/h200-job.json" ;;
+      --modes baseline auto chain:3 --rounds 2 --batch-size 32 --temperatures 0 0.7 --json "$out/$gpu-job.json" ;;
   audit)
-    # A 64-row job of the shipped model (bfloat16) in every speculative mode, each folder audited against plain
+    # A 64-row job of the shipped model (bfloat16) in every mode (plain batching too), each folder audited against plain
     # decoding (python -m jobs audit): identical rows, near-ties, divergences -> h200-audit-MODE.json
-    for mode in auto chain adaptive tree adaptive_tree paths; do
+    for mode in baseline auto chain adaptive tree adaptive_tree paths; do
       timeout "${LIMIT:-90}" python3 -m jobs generate --dataset examples/prompts.jsonl --model models/qwen3-next-tiny-stdlib \
         --output "/tmp/audit-$mode" --overwrite --limit 64 --max-tokens 96 --mode "$mode" 2>&1 | tail -1
-      timeout "${LIMIT:-90}" python3 -m jobs audit "/tmp/audit-$mode" --json "$out/h200-audit-$mode.json" | tail -1
+      timeout "${LIMIT:-90}" python3 -m jobs audit "/tmp/audit-$mode" --json "$out/$gpu-audit-$mode.json" | tail -1
     done ;;
   job-80b|job-80b-b8|job-80b-sampled|job-80b-weak|job-80b-falling)
-    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 && echo h200 || echo h100)
     profile=0.93,0.82,0.64; args="--prompts 64 --batch-size 32"; rounds=1
     case "$1" in
       job-80b) rounds=2 ;;
@@ -109,16 +110,16 @@ case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audi
       80b-phases) args="--limit 32 --batch-sizes 32 --draft-tokens 3 --single-k 3 --single-limit 1 --phase-times" ;;
     esac
     timeout "${LIMIT:-580}" $bench --synthetic 80b --suite dataset --acceptance-profile 0.93,0.82,0.64 \
-      --max-tokens 128 --contexts $ctx $args --no-mlx-lm-batch --json "$out/h200-$1.json" 2>&1 | grep -v "^round" ;;
+      --max-tokens 128 --contexts $ctx $args --no-mlx-lm-batch --json "$out/$gpu-$1.json" 2>&1 | grep -v "^round" ;;
   80b-prefill)
     timeout "${LIMIT:-200}" $bench --synthetic 80b --suite prefill-cost --contexts 1024 --block-rows 8 16 32 64 \
-      --json "$out/h200-80b-prefill.json" ;;
+      --json "$out/$gpu-80b-prefill.json" ;;
   80b-host)
     timeout "${LIMIT:-200}" $bench --synthetic 80b --suite host-cost --contexts 1024 --widths 1 4 7 \
-      --fast-path layer_dispatch=off --json "$out/h200-80b-host.json" ;;
+      --fast-path layer_dispatch=off --json "$out/$gpu-80b-host.json" ;;
   qwen3.5-27b|qwen3.5-35b-a3b)
     timeout "${LIMIT:-560}" $bench --synthetic "$1" --suite dataset --acceptance-profile 0.93,0.82,0.64 \
       --limit 16 --max-tokens 48 --contexts 1024 --batch-sizes 8 16 --draft-tokens 2 3 --single-k 3 \
-      --no-mlx-lm-batch --json "$out/h200-$1.json" 2>&1 | grep -v "^round" ;;
+      --no-mlx-lm-batch --json "$out/$gpu-$1.json" 2>&1 | grep -v "^round" ;;
   *) echo "unknown suite $1" >&2; exit 2 ;;
 esac
