@@ -37,6 +37,7 @@ import numpy as np
 import orjson
 
 from jobs.config import JobConfig
+from jobs.prefix_data import make_rows
 from jobs.runner import run_job
 from jobs.status import folder_state
 from mtp_engine import MTPEngine
@@ -72,16 +73,25 @@ def _argument(parse):
     return convert
 
 
-def synthetic_job(name: str, folder: Path, prompts: int, prompt_tokens: int, seed: int = 0):
+def synthetic_job(name: str, folder: Path, prompts: int, prompt_tokens: int, seed: int = 0,
+                  shared_prefix: tuple[int, int, int] | None = None):
     """A random-weight engine of shapes ``name``, a model folder for the job
     to identify it by (its config and tokenizer, no weights) and a JSONL
-    dataset of ``prompts`` random texts of about ``prompt_tokens`` tokens."""
+    dataset of ``prompts`` random texts of about ``prompt_tokens`` tokens, or,
+    with ``shared_prefix`` (prefix, shortest and longest suffix, in tokens),
+    rows sharing one system prompt (`jobs.prefix_data`)."""
     checkpoint = random_quantized_checkpoint(SYNTHETIC[name]())
     engine = MTPEngine(checkpoint)
     model = folder / f"synthetic-{name}"
     model.mkdir(parents=True)
     (model / "config.json").write_bytes(orjson.dumps(checkpoint.config))
     engine.tokenizer._tokenizer.save_pretrained(str(model))
+    dataset = folder / f"synthetic-{prompts}x{prompt_tokens}.jsonl"
+    if shared_prefix:
+        count = lambda text: len(engine.tokenizer.encode(text))  # noqa: E731
+        rows = make_rows(prompts, shared_prefix[0], shared_prefix[1:], seed=seed, count=count)
+        dataset.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+        return engine, str(model), str(dataset)
     rng = np.random.default_rng(seed)
     letters = np.array(list("abcdefghijklmnopqrstuvwxyz     .,;:()=+-_\n0123456789"))
     lines = []
@@ -89,7 +99,6 @@ def synthetic_job(name: str, folder: Path, prompts: int, prompt_tokens: int, see
         text = "".join(rng.choice(letters, size=prompt_tokens * 3))
         ids = engine.tokenizer.encode(text)[:prompt_tokens]
         lines.append(orjson.dumps({"id": f"p{i:05d}", "prompt": engine.tokenizer.decode(ids)}))
-    dataset = folder / f"synthetic-{prompts}x{prompt_tokens}.jsonl"
     dataset.write_bytes(b"\n".join(lines) + b"\n")
     return engine, str(model), str(dataset)
 
@@ -173,8 +182,14 @@ def main(argv: list[str] | None = None) -> int:
                         "(acceptance that falls with context)")
     p.add_argument("--prompts", type=int, default=64, help="with --synthetic: how many prompts")
     p.add_argument("--prompt-tokens", type=int, default=1024, help="with --synthetic: tokens per prompt")
+    p.add_argument("--shared-prefix", type=int, nargs=3, metavar=("PREFIX", "MIN", "MAX"),
+                   help="with --synthetic: rows share a system prompt of PREFIX tokens, each with its own suffix "
+                        "of MIN..MAX tokens (python -m jobs.prefix_data)")
     p.add_argument("--json", help="write the report here")
     args = p.parse_args(argv)
+    if args.shared_prefix and (not args.synthetic or min(args.shared_prefix) < 1
+                               or args.shared_prefix[1] > args.shared_prefix[2]):
+        p.error("--shared-prefix needs --synthetic and positive PREFIX MIN MAX with MIN <= MAX")
     if args.acceptance_profile:
         if mode_spec(args.modes[0])[0] != "baseline":
             p.error("--acceptance-profile needs baseline as the first mode (its tokens are the projection's)")
@@ -185,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if args.synthetic:
             engine, args.model, args.dataset = synthetic_job(args.synthetic, Path(tmp), args.prompts,
-                                                             args.prompt_tokens, args.seed)
+                                                             args.prompt_tokens, args.seed, args.shared_prefix)
         else:
             engine = MTPEngine.load(args.model)
         for temperature in args.temperatures:
