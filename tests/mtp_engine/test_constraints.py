@@ -227,6 +227,29 @@ def test_bad_constraints_are_named(tiny_engine):
     assert not decoder.queue  # nothing was queued
 
 
+def test_the_engine_takes_constraints_per_prompt_and_for_samples(tiny_engine):
+    prompts = ["x", "def f():", "y = "]
+    constraints = [Constraint.choice(CHOICES), None, Constraint("regex", REGEX)]
+    alone = [tiny_engine.generate(p, mode="baseline", max_tokens=40, constraint=c) for p, c in zip(prompts, constraints)]
+    for mode in ("tree", "chain"):
+        batch = tiny_engine.generate_batch(prompts, mode=mode, draft_tokens=3, batch_size=3, max_tokens=40,
+                                           constraint=constraints)
+        assert [r.tokens for r in batch] == [r.tokens for r in alone], mode
+    assert batch[0].finish_reason == "stop" and batch[0].text in CHOICES
+    assert not matches(batch[1].text, constraints[2]) and (batch[2].finish_reason != "stop"
+                                                           or matches(batch[2].text, constraints[2]))
+    every = tiny_engine.generate_batch(prompts, mode="adaptive_tree", max_tokens=40, constraint=constraints[0])
+    assert all(r.text in CHOICES for r in every)
+    regex = Constraint("regex", REGEX)
+    samples = tiny_engine.generate_samples("x", seeds=[1, 2, 3], mode="paths", temperature=0.9, max_tokens=40,
+                                           constraint=regex)
+    for seed, r in zip([1, 2, 3], samples):
+        plain = tiny_engine.generate("x", mode="baseline", temperature=0.9, seed=seed, max_tokens=40, constraint=regex)
+        assert r.tokens == plain.tokens and (r.finish_reason != "stop" or matches(r.text, regex)), seed
+    with pytest.raises(ValueError, match="2 constraints for 3 prompts"):
+        list(tiny_engine.generate_batch_iter(prompts, constraint=constraints[:2]))
+
+
 def test_a_complete_grammar_stops_and_a_cut_one_says_so(tiny_engine):
     decoder = Decoder(tiny_engine, DecodeConfig(mode="chain", draft_tokens=3, batch_size=2))
     decoder.add("choice", "x", [GREEDY], max_tokens=50, constraint=Constraint.choice(CHOICES))
