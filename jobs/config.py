@@ -233,8 +233,6 @@ class JobConfig:
                 validate(constraint)
         except ConstraintError as e:
             raise ConfigError(str(e)) from None
-        if constraint is not None and self.mode not in BATCHED_MODES:
-            raise ConfigError(f"constrained rows draft chains; mode {self.mode!r} needs auto, chain or baseline")
         if self.sampler == "rejection" and self.mode not in ("chain", "baseline", "auto"):
             raise ConfigError(f"sampler 'rejection' drafts chains; mode {self.mode!r} needs sampler 'exact' "
                               "(or mode chain)")

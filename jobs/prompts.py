@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 import orjson
 
 from jobs import openai_batch
-from jobs.config import BATCHED_MODES, MAX_N, JobConfig
+from jobs.config import MAX_N, JobConfig
 from jobs.readers import SourceRow
 from mtp_engine.constraints import Constraint, ConstraintError, from_fields, validate
 from mtp_engine.sampling import MAX_LOGPROBS, SamplingParams
@@ -278,8 +278,6 @@ class Preparer:
             return str(e)
         if constraint is None:  # a row's response_format "text" asks for none
             return self.config.constraint() if data.get("response_format") is None else None
-        if self.config.mode not in BATCHED_MODES:
-            return f"constrained rows draft chains; mode {self.config.mode!r} needs auto, chain or baseline"
         if constraint not in self.checked:
             try:
                 validate(constraint)

@@ -7,10 +7,13 @@ state follows the row's tokens. At every generated position the row's
 logits keep only the tokens its grammar allows there (`constrain`: the
 others are -inf), before the token is chosen, in plain steps and at every
 position of a verify forward alike, so speculation emits what constrained
-plain decoding emits. Drafts are masked the same way as they are made
-(`mtp_engine.drafters.constrained`): the grammar advances along a row's
-drafts (`RowGrammar.draft`) and goes back to the committed tokens after the
-verify (`RowGrammar.commit`), so no draft breaks the grammar. EOS is allowed
+plain decoding emits. Drafts are masked the same way as they are made, in
+every mode: a chain (`mtp_engine.drafters.constrained`) advances the row's
+grammar along its drafts (`RowGrammar.draft`) and goes back to the committed
+tokens after the verify (`RowGrammar.commit`); the tree-shaped modes fork the
+row's grammar per draft path (`PathGrammars`), follow each path with its
+fork and drop the forks after the verify. So no draft breaks the grammar, and
+the grammar advances along the accepted path only. EOS is allowed
 only where the grammar may end; once the grammar can take no more tokens,
 the row stops (finish reason "stop").
 
@@ -195,6 +198,18 @@ class RowGrammar:
                 raise RuntimeError(f"token {t} broke the grammar: {self.matcher.get_error()}")
         return self.complete
 
+    def fork(self) -> "RowGrammar":
+        """A copy in the same state that follows a draft path on its own."""
+        copy = RowGrammar(self.compiler, self.matcher.deep_copy(), self.eos, self.constraint)
+        copy.drafted, copy.ended = self.drafted, self.ended
+        return copy
+
+    def allows(self, tokens: list[int]) -> bool:
+        """Whether the grammar takes ``tokens`` from its state (unchanged)."""
+        if self.ended or self.complete:  # EOS only, as `Grammars.masks` allows
+            return all(t in self.eos for t in tokens)
+        return self.matcher.validate_tokens(tokens) == len(tokens)
+
     @property
     def complete(self) -> bool:
         return self.matcher.is_stopped()
@@ -226,6 +241,7 @@ class Grammars:
         self._fresh: dict = {}  # each constraint's matcher at the start, copied for each row
         self.masks_made = 0  # rows' masks computed, and the host seconds they took (benchmarks read them)
         self.mask_s = 0.0
+        self.fallbacks = 0  # branches that took their sibling's top token (`PathGrammars.advance`)
 
     def check(self, constraint: Constraint) -> str:
         """The constraint's compiled grammar text; raises `ConstraintError`
@@ -294,6 +310,77 @@ def masks_of(grammars: list[RowGrammar | None]) -> mx.array | None:
     none is."""
     compiler = next((g.compiler for g in grammars if g is not None), None)
     return None if compiler is None else compiler.masks(grammars)
+
+
+class PathGrammars:
+    """The grammars of one step's draft paths (the tree-shaped modes): per
+    path a fork of its row's grammar (`RowGrammar.fork`) that follows the
+    path's drafts, and the masks of every position drafted so far, which the
+    verify forward applies to the trunk's logits. The rows' own grammars are
+    untouched: after the verify they take the emitted tokens (the accepted
+    path) and the forks are dropped. Every method is a no-op when no row has
+    a grammar (`on` is False).
+
+    Args:
+        grammars: Each row's grammar or None (one path per row to start).
+    """
+
+    def __init__(self, grammars: list[RowGrammar | None] | None):
+        self.on = grammars is not None and any(g is not None for g in grammars)
+        self.forks = [None if g is None else g.fork() for g in grammars] if self.on else []
+        self.kept: list[mx.array] = []  # per drafted position, [P, 1, vocab] for the current paths
+
+    def constrain(self, logits: mx.array) -> mx.array:
+        """The current paths' head logits ``[P, vocab]`` with what their
+        grammars disallow at -inf; the masks are kept for the verify."""
+        if not self.on:
+            return logits
+        self.kept.append(masks_of(self.forks))
+        return constrain(logits, self.kept[-1][:, 0])
+
+    def take(self, index: list[int]) -> None:
+        """The paths branch: new path ``i`` continues path ``index[i]``."""
+        if not self.on:
+            return
+        self.forks = [None if self.forks[p] is None else self.forks[p].fork() for p in index]
+        rows = mx.array(index, dtype=mx.int32)
+        self.kept = [m[rows] for m in self.kept]
+
+    def advance(self, tokens: list[int], fallback: list[int] | None = None,
+                moving: list[bool] | None = None) -> list[int]:
+        """Each path's fork follows its new token; returns the tokens.
+
+        Args:
+            tokens: Each path's draft at this position.
+            fallback: Each path's sibling's top token: a path whose token
+                its grammar does not take (a branch ranked below the tokens
+                the grammar allows there) takes it instead.
+            moving: Paths that still draft; the others' later positions
+                allow EOS only (they are padding the verify does not use).
+        """
+        if not self.on:
+            return tokens
+        out = list(tokens)
+        for p, g in enumerate(self.forks):
+            if g is None:
+                continue
+            if moving is not None and not moving[p]:
+                g.ended = True
+                continue
+            if fallback is not None and not g.allows([out[p]]):
+                out[p] = fallback[p]
+                g.compiler.fallbacks += 1
+            g.draft(out[p])
+        return out
+
+    def masks(self, rows: list[int] | None = None) -> mx.array | None:
+        """``[V, K+1, vocab]``: the masks of the drafted positions and of the
+        bonus position after them, for the paths ``rows`` (default all, in
+        order); None when no row has a grammar."""
+        if not self.on:
+            return None
+        out = mx.concatenate(self.kept + [masks_of(self.forks)], axis=1)
+        return out if rows is None else out[mx.array(rows, dtype=mx.int32)]
 
 
 def constrain(logits: mx.array, masks: mx.array | None) -> mx.array:

@@ -183,8 +183,6 @@ class Decoder:
         """Raise unless rows of ``constraint`` can decode here."""
         if not isinstance(constraint, Constraint):
             raise TypeError(f"constraint must be a Constraint, got {type(constraint).__name__}")
-        if self.k and self.decode.mode not in CHAINS:
-            raise ValueError(f"constrained rows draft chains; mode {self.decode.mode!r} needs baseline, auto or chain")
         if self.k and self.decode.drafter in GREEDY_ONLY:
             raise ValueError(f"the {self.decode.drafter} drafter cannot mask drafts; constrained rows draft with "
                              "the MLX head (drafter='mlx' or 'auto')")

@@ -212,14 +212,14 @@ class MTPEngine:
         decode, values = self.configs(decode, sampling, **shortcuts)
         (_, result), = self._decode([prompt], replace(decode, batch_size=1), [[make_sampling(**values)]],
                                     [max_tokens], stop, trace, prefix, strict=True, logprobs=logprobs,
-                                    constraint=constraint)
+                                    constraints=[constraint])
         return result
 
     def generate_samples(self, prompt: str | list[int], *, seeds: list[int | None],
                          decode: DecodeConfig | None = None, sampling: SamplingParams | None = None,
                          max_tokens: int = 256, stop: str | list[str] | None = None, trace: bool = False,
                          prefix: PrefixState | None = None, logprobs: int | None = None,
-                         **shortcuts) -> list[GenerationResult]:
+                         constraint: Constraint | None = None, **shortcuts) -> list[GenerationResult]:
         """Several completions of one prompt, one per seed, decoded together
         as rows sharing one prefill. Each result equals `generate` with that
         seed. Arguments as `generate`."""
@@ -228,13 +228,14 @@ class MTPEngine:
         decode, values = self.configs(decode, sampling, **shortcuts)
         samples = [make_sampling(**{**values, "seed": seed}) for seed in seeds]
         rows = self._decode([prompt], replace(decode, batch_size=len(samples)), [samples], [max_tokens], stop, trace,
-                            prefix, strict=True, logprobs=logprobs)
+                            prefix, strict=True, logprobs=logprobs, constraints=[constraint])
         return [result for _, result in sorted(rows, key=lambda row: row[0])]
 
     def generate_batch_iter(self, prompts: list[str | list[int]], *, decode: DecodeConfig | None = None,
                             sampling: SamplingParams | None = None, max_tokens: int | list[int] = 256,
                             stop: str | list[str] | None = None, seed: int | list[int | None] | None = None,
                             prefix: PrefixState | None = None, logprobs: int | None = None,
+                            constraint: Constraint | list[Constraint | None] | None = None,
                             **shortcuts) -> Iterator[tuple[int, GenerationResult]]:
         """Decode many prompts, ``decode.batch_size`` rows at a time
         (`mtp_engine.decoder`), yielding ``(index, result)`` as rows finish.
@@ -248,6 +249,7 @@ class MTPEngine:
                 its seed, whatever the batch holds (exact sampler).
             prefix: A `prefill_prefix` result: the prompts that start with
                 it prefill only the tokens after it (the others all theirs).
+            constraint: One constraint for all, or one (or None) per prompt.
             decode, sampling, stop, logprobs, **shortcuts: As `generate`.
 
         Raises:
@@ -261,9 +263,13 @@ class MTPEngine:
             None if seed is None else seed + i for i in range(len(prompts))]
         if len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        constraints = list(constraint) if isinstance(constraint, (list, tuple)) else [constraint] * len(prompts)
+        if len(constraints) != len(prompts):
+            raise ValueError(f"{len(constraints)} constraints for {len(prompts)} prompts")
         decode, values = self.configs(decode, sampling, **shortcuts)
         samples = [[make_sampling(**{**values, "seed": s})] for s in seeds]
-        for (i, _), result in self._decode(prompts, decode, samples, budgets, stop, False, prefix, logprobs=logprobs):
+        for (i, _), result in self._decode(prompts, decode, samples, budgets, stop, False, prefix, logprobs=logprobs,
+                                           constraints=constraints):
             yield i, result
 
     def generate_batch(self, prompts: list[str | list[int]], **kwargs) -> list[GenerationResult]:
@@ -275,13 +281,14 @@ class MTPEngine:
 
     def _decode(self, prompts, decode: DecodeConfig, samples: list[list[SamplingParams]], budgets: list[int],
                 stop, trace: bool, prefix: PrefixState | None = None, strict: bool = False,
-                logprobs: int | None = None, constraint: Constraint | None = None,
+                logprobs: int | None = None, constraints: list[Constraint | None] | None = None,
                 ) -> Iterator[tuple[tuple[int, int], GenerationResult]]:
         """``((prompt, sample), result)`` as rows finish, one decoder for all;
         ``prefix`` serves the prompts that continue it (``strict``: every
-        prompt must)."""
+        prompt must); ``constraints`` has one per prompt (None: none)."""
         decoder = Decoder(self, decode)
-        for i, (prompt, params, budget) in enumerate(zip(prompts, samples, budgets)):
+        for i, (prompt, params, budget, constraint) in enumerate(zip(prompts, samples, budgets,
+                                                                     constraints or [None] * len(prompts))):
             start = prefix if strict or prefix is None or prefix.continues(self.encode(prompt)) else None
             decoder.add(i, prompt, params, max_tokens=budget, stop=stop, trace=trace, prefix=start, logprobs=logprobs,
                         constraint=constraint)

@@ -41,13 +41,14 @@ class Proposal:
     masks: mx.array | None = None
 
     @classmethod
-    def padded(cls, paths: list[list[int]], caps: list[int], owners: list[int] | None = None) -> "Proposal":
+    def padded(cls, paths: list[list[int]], caps: list[int], owners: list[int] | None = None,
+               masks: mx.array | None = None) -> "Proposal":
         """Host paths of different lengths, each padded by repeating its last
         token and using at most its own length and its row's cap."""
         width = max(len(p) for p in paths)
         rows = owners if owners is not None else range(len(paths))
         return cls(mx.array([p + [p[-1]] * (width - len(p)) for p in paths], dtype=mx.int32), owners=owners,
-                   uses=[min(len(p), caps[o]) for p, o in zip(paths, rows)])
+                   uses=[min(len(p), caps[o]) for p, o in zip(paths, rows)], masks=masks)
 
 
 class Drafter(Protocol):

@@ -14,7 +14,9 @@ becomes holes), then drafts:
   taking the top-n choices at a position (greedy: likeliest; the exact
   sampler: by the targets' perturbed scores); from the first branch on the
   head drafts on a gathered copy of its cache with a row per path, so no path
-  sees another's tokens and the committed cache stays untouched.
+  sees another's tokens and the committed cache stays untouched. Constrained
+  rows mask every position as drafted, each path by its own fork of the row's
+  grammar (`mtp_engine.constraints.PathGrammars`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtp_engine.cache.batch import BatchKVCache
+from mtp_engine.constraints import PathGrammars
 from mtp_engine.drafters.base import Proposal
 from mtp_engine.drafters.compiled_head import CompiledHead
 from mtp_engine.drafters.constrained import masked_chain
@@ -170,22 +173,25 @@ class HeadDrafter:
             raise ValueError(f"a draft needs k >= 1 tokens, got {k}")
         m = self._consume()
         mode = decode.mode
-        if grammars is not None:
+        chain = mode in CHAINS or (mode == "paths" and decode.paths == 1)
+        if chain and grammars is not None:
             return masked_chain(self, m, k, params, starts, caps, grammars)
-        if mode in CHAINS or (mode == "paths" and decode.paths == 1):
+        if chain:
             return self._chain(m, k, params, starts, caps)
+        paths = PathGrammars(grammars)
         if mode == "adaptive":
-            return self._adaptive(m, k, decode.tau, params, starts, caps)
+            return self._adaptive(m, k, decode.tau, params, starts, caps, paths=paths)
         if mode == "paths":
-            return self._grow(m, k, params, starts, caps, lambda depth, label: decode.paths if depth == 0 else 1)
+            return self._grow(m, k, params, starts, caps, lambda depth, label: decode.paths if depth == 0 else 1,
+                              paths=paths)
         if mode == "tree":
             two = decode.tree_pos2 and k >= 2
 
             def tree(depth, label):  # A (top-1 throughout), B (runner-up at 1), C (runner-up at 2)
                 return 2 if depth == 0 or (two and depth == 1 and label == (0,)) else 1
-            return self._grow(m, k, params, starts, caps, tree, order=[0, 2, 1] if two else None)
+            return self._grow(m, k, params, starts, caps, tree, order=[0, 2, 1] if two else None, paths=paths)
         if mode == "adaptive_tree":
-            return self._adaptive(m, k, decode.tau, params, starts, caps, branch=True)
+            return self._adaptive(m, k, decode.tau, params, starts, caps, branch=True, paths=paths)
         raise ValueError(f"mode {mode!r} does not draft")
 
     def _chain(self, m: mx.array, k: int, params, starts, caps) -> Proposal:
@@ -216,32 +222,34 @@ class HeadDrafter:
         mx.eval(tokens, probs)
         return tokens.tolist(), probs.tolist()
 
-    def _adaptive(self, m: mx.array, k: int, tau: float, params, starts, caps, branch: bool = False) -> Proposal:
+    def _adaptive(self, m: mx.array, k: int, tau: float, params, starts, caps, branch: bool = False, *,
+                  paths: PathGrammars) -> Proposal:
         """Per row, a chain that stops once the running product of its top-1
         probabilities falls below ``tau``; with ``branch``, rows whose chain
         is at least 2 deep add a path from the runner-up at position 1,
-        continued as deep (adaptive_tree)."""
+        continued as deep (adaptive_tree). ``paths`` masks every position."""
         rows = len(params)
-        logits = self.lm_head(m[:, 0])
+        logits = paths.constrain(self.lm_head(m[:, 0]))
         cache = self.cache
-        if branch:
+        if branch:  # a runner-up the grammar does not allow falls back to the top choice
             firsts = ranked_rows(logits, params, starts, 2)  # [R, 2]
             probs = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)).tolist()
-            chains = [[f[0]] for f in firsts]
-            others = [[f[1]] for f in firsts]
+            paths.take([r for r in range(rows) for _ in (0, 1)])
+            first = paths.advance([t for f in firsts for t in f], fallback=[f[0] for f in firsts for _ in (0, 1)])
+            chains, others = [[t] for t in first[::2]], [[t] for t in first[1::2]]
             cache = [c.take([r for r in range(rows) for _ in (0, 1)]) for c in self.cache]
             m = mx.repeat(m, 2, axis=0)
-            last = mx.array([t for f in firsts for t in f], dtype=mx.int32)
+            last = mx.array(first, dtype=mx.int32)
         else:
             first, probs = self._top1(logits, params, starts)
-            chains, others = [[t] for t in first], None
+            chains, others = [[t] for t in paths.advance(first)], None
             last = mx.array(first, dtype=mx.int32)
         confidence = list(probs)
         active = [len(c) < min(k, cap) and p >= tau for c, cap, p in zip(chains, caps, confidence)]
         depth = 1
         while any(active):
             m = self._forward(m, last[:, None], cache)
-            logits = self.lm_head(m[:, 0])
+            logits = paths.constrain(self.lm_head(m[:, 0]))
             if branch:  # path A of each row sets the depth; B follows greedily (or by its sampler)
                 pairs = [p for p in params for _ in (0, 1)]
                 spots = [s + depth for s in starts for _ in (0, 1)]
@@ -250,6 +258,7 @@ class HeadDrafter:
             else:
                 tokens, probs = self._top1(logits, params, [s + depth for s in starts])
                 step = [(t, p, None) for t, p in zip(tokens, probs)]
+            paths.advance(tokens, moving=[a for a in active for _ in range(1 + branch)])
             for b, (t, p, other) in enumerate(step):
                 if active[b]:
                     chains[b].append(t)
@@ -260,20 +269,23 @@ class HeadDrafter:
             last = mx.array(tokens, dtype=mx.int32)
             depth += 1
         if not branch:
-            return Proposal.padded(chains, caps)
-        paths, owners = [], []
+            return Proposal.padded(chains, caps, masks=paths.masks())
+        out, owners = [], []
         for b, (a, o) in enumerate(zip(chains, others)):
-            paths.append(a)
+            out.append(a)
             owners.append(b)
             if len(a) >= 2:
-                paths.append(o[: len(a)])
+                out.append(o[: len(a)])
                 owners.append(b)
-        return Proposal.padded(paths, caps, owners)
+        kept = [p for b, a in enumerate(chains) for p in (2 * b, 2 * b + 1)[: 1 + (len(a) >= 2)]]
+        return Proposal.padded(out, caps, owners, masks=paths.masks(kept))
 
-    def _grow(self, m: mx.array, k: int, params, starts, caps, branches, order: list[int] | None = None) -> Proposal:
+    def _grow(self, m: mx.array, k: int, params, starts, caps, branches, order: list[int] | None = None, *,
+              paths: PathGrammars) -> Proposal:
         """Paths grown position by position: at each, a path with label
         (its choice ranks so far) takes the top ``branches(depth, label)``
-        choices; ``order`` reorders each row's paths at the end."""
+        choices (a rank below the tokens its grammar in ``paths`` allows
+        takes the top one); ``order`` reorders each row's paths at the end."""
         rows = len(params)
         logits = self.lm_head(m[:, 0])  # [P, V], P paths (one per row to start)
         labels, owners = [() for _ in range(rows)], list(range(rows))
@@ -283,6 +295,7 @@ class HeadDrafter:
             if depth:
                 m = self._forward(m, last[:, None], cache)
                 logits = self.lm_head(m[:, 0])
+            logits = paths.constrain(logits)
             counts = [branches(depth, label) for label in labels]
             pos = [starts[o] + depth for o in owners]
             pparams = [params[o] for o in owners]
@@ -290,7 +303,8 @@ class HeadDrafter:
                 chosen = choose(logits[:, None], pparams, mx.array(pos, dtype=mx.int32)[:, None])[:, 0]
                 if depth + 1 < k:
                     mx.async_eval(chosen)
-                tokens = [t + [(chosen, p)] for p, t in enumerate(tokens)]  # read at the end
+                picked = paths.advance(chosen.tolist()) if paths.on else [(chosen, p) for p in range(len(tokens))]
+                tokens = [t + [c] for t, c in zip(tokens, picked)]  # unconstrained: read at the end
                 last = chosen
                 continue
             ranks = ranked_rows(logits, pparams, pos, max(counts))
@@ -304,14 +318,16 @@ class HeadDrafter:
             if len(index) != len(labels):
                 cache = [c.take(index) for c in cache]
                 m = m[mx.array(index, dtype=mx.int32)]
+            paths.take(index)
+            new_tokens = [t[:-1] + [c] for t, c in zip(new_tokens, paths.advance(
+                [t[-1] for t in new_tokens], fallback=[ranks[p][0] for p in index]))]
             labels, owners, tokens = new_labels, new_owners, new_tokens
             last = mx.array([t[-1] for t in tokens], dtype=mx.int32)
         tokens = _resolve(tokens)
-        if order is not None:
-            per_row = len(order)
-            tokens = [tokens[b * per_row + j] for b in range(rows) for j in order]
-            owners = [owners[b * per_row + j] for b in range(rows) for j in order]
-        return Proposal(mx.array(tokens, dtype=mx.int32), owners=owners, uses=[min(k, caps[o]) for o in owners])
+        picks = range(len(tokens)) if order is None else [b * len(order) + j for b in range(rows) for j in order]
+        tokens, owners = [tokens[i] for i in picks], [owners[i] for i in picks]
+        return Proposal(mx.array(tokens, dtype=mx.int32), owners=owners, uses=[min(k, caps[o]) for o in owners],
+                        masks=paths.masks(list(picks)))
 
     def commit(self, hidden: mx.array, emitted: list[list[int]], winners: list[int]) -> None:
         if self._base is not None:

@@ -36,7 +36,8 @@ def rows_by_id(folder) -> dict:
     return {r["id"]: r for r in datasets.load_from_disk(str(folder))}
 
 
-def test_a_json_schema_job_writes_rows_that_parse_and_validate(tmp_path, shipped):
+@pytest.mark.parametrize("mode", ["auto", "tree"])
+def test_a_json_schema_job_writes_rows_that_parse_and_validate(tmp_path, shipped, mode):
     schema = tmp_path / "schema.json"
     schema.write_text(json.dumps(SCHEMA))
     rows = [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)]
@@ -51,7 +52,7 @@ def test_a_json_schema_job_writes_rows_that_parse_and_validate(tmp_path, shipped
     ]
     out = tmp_path / "out"
     summary = run_job(job_config(write_jsonl(tmp_path / "in.jsonl", rows), SHIPPED, out, json_schema=str(schema),
-                                 max_tokens=96, mode="auto", draft_tokens=3, batch_size=8, temperature=0.7),
+                                 max_tokens=96, mode=mode, draft_tokens=3, batch_size=8, temperature=0.7),
                       engine=shipped)
     got = rows_by_id(out)
     assert len(got) == len(rows)
@@ -116,8 +117,7 @@ def test_the_constraint_flags_are_checked_and_fingerprinted(tmp_path, job_model,
         parse("--regex", "[a-")
     with pytest.raises(ConfigError, match="not regex and choices"):
         parse("--regex", "a+", "--choices", "a")
-    with pytest.raises(ConfigError, match="mode 'tree' needs auto, chain or baseline"):
-        parse("--regex", "a+", "--mode", "tree")
+    assert parse("--regex", "a+", "--mode", "tree").constraint().kind == "regex"  # every mode takes one
 
     dataset = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])
     out = tmp_path / "out"

@@ -1,11 +1,13 @@
 """Structured outputs (`mtp_engine.constraints`) under speculation, on the
 held-out tiny configs of test_sampling.py.
 
-- Lossless: in every mode that takes constrained rows (baseline, auto,
-  chain), batched with rows of other constraints and none, greedy and the
+- Lossless: in every mode (`mtp_engine.modes.MODES`, the tree-shaped ones
+  too), batched with rows of other constraints and none, greedy and the
   exact sampler, each row's tokens equal plain constrained decoding of its
   prompt alone, computed here from mlx-lm's model one token per forward with
-  the grammar's mask applied before `choose`.
+  the grammar's mask applied before `choose`; every speculative mode accepts
+  drafts, and the tree-shaped modes' branches that the grammar leaves no
+  runner-up for take their sibling's top token.
 - Every finished output matches its constraint (a JSON schema with nested
   objects, arrays, enums and numbers, a regex, a choice list, any JSON
   object); one cut by max_tokens first says so.
@@ -28,7 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mtp_engine import MTPEngine
 from mtp_engine.constraints import Constraint, ConstraintError, constrain
 from mtp_engine.decoder import Decoder
-from mtp_engine.modes import DecodeConfig
+from mtp_engine.modes import MODES, DecodeConfig
 from mtp_engine.sampling import GREEDY, SamplingParams, choose, filtered_logprobs
 from tests.conftest import PROMPTS
 from tests.mtp_engine.test_sampling import HELD_OUT, PlainSampler, chi2, chi2_critical
@@ -51,6 +53,7 @@ CHOICES = ("yes", "no", "maybe so")
 CONSTRAINTS = [Constraint.json_schema(SCHEMA), Constraint("regex", REGEX), Constraint.choice(CHOICES),
                Constraint("json_object"), None]
 N_TOKENS = 40
+FALLBACKS: dict[str, int] = {}  # sibling fallbacks taken per lossless run (reported with -s)
 
 
 def valid(instance, schema: dict) -> bool:
@@ -132,13 +135,14 @@ def test_constrained_speculation_equals_plain_constrained_decoding(held_out, tem
     constraints = [CONSTRAINTS[i % len(CONSTRAINTS)] for i in range(len(prompts))]
     params = [SamplingParams(temperature, top_p=0.95, seed=40 + i) for i in range(len(prompts))]
     want = [plain_constrained(plain, engine, ids, p, c, N_TOKENS) for ids, p, c in zip(prompts, params, constraints)]
-    for mode in ("baseline", "chain", "auto"):
+    for mode in MODES:
         decoder = Decoder(engine, DecodeConfig(mode=mode, draft_tokens=3, batch_size=4))
         for i, (ids, p, c) in enumerate(zip(prompts, params, constraints)):
             decoder.add(i, ids, [p], max_tokens=N_TOKENS, constraint=c)
-        results = {}
-        while decoder.pending:
-            results.update({key: r for (key, _), r in decoder.step()})
+        results, fallbacks, steps = {}, engine.grammars.fallbacks, 0
+        while decoder.pending:  # mode auto: every other step K drafts, the others as its controller chooses
+            steps += 1
+            results.update({key: r for (key, _), r in decoder.step(decoder.k if steps % 2 else None)})
         for i, r in results.items():
             assert r.tokens == want[i], f"{name} {mode} T={temperature}: row {i} ({constraints[i]})"
             c = constraints[i]
@@ -148,8 +152,11 @@ def test_constrained_speculation_equals_plain_constrained_decoding(held_out, tem
                 assert r.note and "max_tokens (40)" in r.note, r.note
         finished = {constraints[i].kind for i, r in results.items() if constraints[i] and r.finish_reason == "stop"}
         assert {"regex", "choice"} <= finished, finished  # the tiny models' JSON rarely ends in 40 tokens
-        if mode == "chain":
-            assert sum(r.stats.accepted for r in results.values()) > 0
+        if mode != "baseline":
+            assert sum(r.stats.accepted for r in results.values()) > 0, (name, mode)
+        if mode in ("tree", "adaptive_tree", "paths"):  # branches past what the grammar allows took the top token
+            assert engine.grammars.fallbacks > fallbacks, (name, mode)
+            FALLBACKS[f"{name} {mode} T={temperature}"] = engine.grammars.fallbacks - fallbacks
     assert any(len(w) == N_TOKENS for w in want) and any(len(w) < N_TOKENS for w in want)
 
 
@@ -217,10 +224,30 @@ def test_bad_constraints_are_named(tiny_engine):
         Constraint.choice([])
     with pytest.raises(ConstraintError, match="response_format type"):
         Constraint.from_response_format({"type": "yaml"})
-    with pytest.raises(ValueError, match="mode 'tree'"):
-        Decoder(tiny_engine, DecodeConfig(mode="tree", draft_tokens=2)).add(0, "x", [GREEDY],
-                                                                           constraint=Constraint("json_object"))
     assert not decoder.queue  # nothing was queued
+
+
+def test_the_engine_takes_constraints_per_prompt_and_for_samples(tiny_engine):
+    prompts = ["x", "def f():", "y = "]
+    constraints = [Constraint.choice(CHOICES), None, Constraint("regex", REGEX)]
+    alone = [tiny_engine.generate(p, mode="baseline", max_tokens=40, constraint=c) for p, c in zip(prompts, constraints)]
+    for mode in ("tree", "chain"):
+        batch = tiny_engine.generate_batch(prompts, mode=mode, draft_tokens=3, batch_size=3, max_tokens=40,
+                                           constraint=constraints)
+        assert [r.tokens for r in batch] == [r.tokens for r in alone], mode
+    assert batch[0].finish_reason == "stop" and batch[0].text in CHOICES
+    assert not matches(batch[1].text, constraints[2]) and (batch[2].finish_reason != "stop"
+                                                           or matches(batch[2].text, constraints[2]))
+    every = tiny_engine.generate_batch(prompts, mode="adaptive_tree", max_tokens=40, constraint=constraints[0])
+    assert all(r.text in CHOICES for r in every)
+    regex = Constraint("regex", REGEX)
+    samples = tiny_engine.generate_samples("x", seeds=[1, 2, 3], mode="paths", temperature=0.9, max_tokens=40,
+                                           constraint=regex)
+    for seed, r in zip([1, 2, 3], samples):
+        plain = tiny_engine.generate("x", mode="baseline", temperature=0.9, seed=seed, max_tokens=40, constraint=regex)
+        assert r.tokens == plain.tokens and (r.finish_reason != "stop" or matches(r.text, regex)), seed
+    with pytest.raises(ValueError, match="2 constraints for 3 prompts"):
+        list(tiny_engine.generate_batch_iter(prompts, constraint=constraints[:2]))
 
 
 def test_a_complete_grammar_stops_and_a_cut_one_says_so(tiny_engine):
