@@ -8,7 +8,7 @@ logits keep only the tokens its grammar allows there (`constrain`: the
 others are -inf), before the token is chosen, in plain steps and at every
 position of a verify forward alike, so speculation emits what constrained
 plain decoding emits. Drafts are masked the same way as they are made
-(`mtp_engine.drafters.constrained`): the grammar advances along a row's
+(`mtp_engine.drafters.head`): the grammar advances along a row's
 drafts (`RowGrammar.draft`) and goes back to the committed tokens after the
 verify (`RowGrammar.commit`), so no draft breaks the grammar. EOS is allowed
 only where the grammar may end; once the grammar can take no more tokens,
