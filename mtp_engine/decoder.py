@@ -39,7 +39,7 @@ from mtp_engine.controller import Controller, RowAcceptance
 from mtp_engine.drafters.select import GREEDY_ONLY
 from mtp_engine.modes import CHAINS, DecodeConfig
 from mtp_engine.prefix import PrefixState, copy_caches
-from mtp_engine.sampling import MAX_LOGPROBS, SamplingParams, apply_penalties, choose, token_logprobs
+from mtp_engine.sampling import MAX_LOGPROBS, SamplingParams, apply_penalties, choose, token_logprobs, top_logits
 from mtp_engine.stopping import Finisher, stop_list
 from mtp_engine.verify import verify
 from schemas.records import GenerationResult, GenerationStats, StepTrace
@@ -88,14 +88,6 @@ class _Queued:
     prefix: PrefixState | None = None
     logprobs: int | None = None
     constraint: Constraint | None = None
-
-
-def top_logits(logits: mx.array, k: int = 4) -> list[list[tuple[int, float]]]:
-    """The ``k`` highest ``(token, logit)`` pairs of each row of ``[n, vocab]``
-    logits, best first (float32 values)."""
-    order = mx.argsort(-logits.astype(mx.float32), axis=-1)[:, :k]
-    values = mx.take_along_axis(logits, order, axis=-1).astype(mx.float32)
-    return [list(zip(t, v)) for t, v in zip(order.tolist(), values.tolist())]
 
 
 class Decoder:
