@@ -23,7 +23,13 @@ from mtp_engine.modes import CHAINS, DRAFTERS
 from mtp_engine.options import EngineOptions, FastPathStatus
 
 GREEDY_ONLY = ("cpp", "cuda")
-"""Drafters that draft greedily only."""
+"""Drafters that draft greedily only, unmasked."""
+
+
+def greedy_only(name: str) -> ValueError:
+    """The error for sampled or constrained rows given to a drafter of `GREEDY_ONLY`."""
+    return ValueError(f"the {name} drafter drafts greedily, unmasked; sampled and constrained rows draft with the "
+                      "MLX head (drafter='mlx' or 'auto')")
 
 
 @dataclass
@@ -90,7 +96,7 @@ def pick(parts: DrafterParts, mode: str, choice: str = "auto", greedy: bool = Tr
     if choice not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))}, got {choice!r}")
     if not greedy and choice in GREEDY_ONLY:
-        raise ValueError(f"the {choice} drafter drafts greedily; sampling drafts with the MLX head (drafter='mlx')")
+        raise greedy_only(choice)
     cpp_ok = parts.cpp is not None and mode in CppDrafter.modes and greedy
     cuda_ok = parts.kernel is not None and mode in CHAINS and greedy
     if choice == "auto":
