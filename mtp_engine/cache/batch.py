@@ -167,8 +167,12 @@ class BatchKVCache:
             length = 0
         elif length:
             keys, values = keys[..., :length, :], values[..., :length, :]
-            if length > self.idx:
-                self._shift_to(length, keys, values)
+            if length > self.idx:  # the write index moves up to ``length``: the other rows start with a gap
+                if self.keys is None:
+                    self._start(keys, values)
+                self._pad(entries=length - self.idx)
+                self.idx = length
+                self.holes = self.holes or len(self.positions) > 1
             start = self.idx - length
             self.keys[row : row + 1, :, start : self.idx, :] = keys.astype(self.keys.dtype)
             self.values[row : row + 1, :, start : self.idx, :] = values.astype(self.values.dtype)
@@ -191,15 +195,6 @@ class BatchKVCache:
             self.idx -= lead
         self.holes = bool((~self.valid[:, : self.idx]).any().item()) if self.idx else False
 
-    def _shift_to(self, idx: int, keys: mx.array, values: mx.array) -> None:
-        """Move the write index up to ``idx``; the rows so far get holes."""
-        if self.keys is None:
-            self._start(keys, values)
-        self._pad(entries=idx - self.idx)
-        self.idx = idx
-        if len(self.positions) > 1:  # the other rows (the caller fills one) start with a gap
-            self.holes = True
-
     def take(self, rows: list[int]) -> "BatchKVCache":
         """A new cache holding these rows (repeats allowed: a row per path
         of a draft tree); this one is unchanged."""
@@ -214,17 +209,11 @@ class BatchKVCache:
     def filter(self, rows: list[int], trim: bool = True) -> None:
         """Keep only these rows (in this order); with ``trim``, drop the
         leading entries no row attends (a host sync)."""
-        self.positions = [self.positions[r] for r in rows]
-        if self.keys is None:
-            return
-        index = mx.array(rows, dtype=mx.int32)
-        self.keys, self.values, self.valid = self.keys[index], self.values[index], self.valid[index]
-        if not rows:
-            self.keys = self.values = self.valid = None
-            self.idx, self.holes = 0, False
-            return
+        kept = self.take(rows) if rows else BatchKVCache()
+        self.keys, self.values, self.valid = kept.keys, kept.values, kept.valid
+        self.idx, self.positions, self.holes = kept.idx, kept.positions, kept.holes
         if trim:
-            self.trim_leading()  # leading entries that every remaining row has as holes go
+            self.trim_leading()
 
 
 @lru_cache(maxsize=8)

@@ -20,8 +20,7 @@ class CapturedStates(Sequence):
     """``[conv_state, ssm_state]`` after each token of a captured forward."""
 
     def __init__(self, conv_states: Sequence, ssm_states: Sequence):
-        if len(conv_states) != len(ssm_states):
-            raise ValueError(f"{len(conv_states)} conv windows for {len(ssm_states)} recurrent states")
+        assert len(conv_states) == len(ssm_states), (len(conv_states), len(ssm_states))
         self.conv_states = conv_states
         self.ssm_states = ssm_states
 
