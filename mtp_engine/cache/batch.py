@@ -123,10 +123,7 @@ class BatchKVCache:
         """After a forward over ``width`` inputs per row, row ``b`` keeps the
         first ``keep[b]`` of them; the others become holes. A suffix no row
         keeps is trimmed instead."""
-        if len(keep) != len(self.positions):
-            raise ValueError(f"{len(keep)} keep counts for {len(self.positions)} rows")
-        if any(not 0 <= k <= width for k in keep):
-            raise ValueError(f"keep counts must be in 0..{width}, got {keep}")
+        assert len(keep) == len(self.positions) and all(0 <= k <= width for k in keep), (keep, width)
         self.positions = [p - width + k for p, k in zip(self.positions, keep)]
         trimmed = width - max(keep, default=width)
         self.idx -= trimmed
@@ -139,8 +136,7 @@ class BatchKVCache:
 
     def rewind(self, idx: int, positions: list[int]) -> None:
         """Forget every entry from ``idx`` on (what drafting wrote)."""
-        if not 0 <= idx <= self.idx:
-            raise ValueError(f"cannot rewind to {idx}; {self.idx} entries are written")
+        assert 0 <= idx <= self.idx, (idx, self.idx)
         self.idx = idx
         self.positions = list(positions)
 
@@ -161,8 +157,7 @@ class BatchKVCache:
         (if it is longer than ``idx``, the others get holes in front of
         theirs), and the old row's all become holes. Only that row's slice
         is written, where `filter` and `add_row` would copy every row."""
-        if not 0 <= row < len(self.positions):
-            raise ValueError(f"row {row} of a batch of {len(self.positions)}")
+        assert 0 <= row < len(self.positions), (row, len(self.positions))
         if keys is None:  # a row with no entries yet
             length = 0
         elif length:
