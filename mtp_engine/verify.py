@@ -78,9 +78,7 @@ def decide(values: list[int], k: int, rejection: bool, use: int) -> tuple[int, l
     draft = values[:use]
     if not rejection:
         targets = values[k:]
-        n = 0
-        while n < use and draft[n] == targets[n]:
-            n += 1
+        n = next((j for j in range(use) if draft[j] != targets[j]), use)
         return n, draft[:n] + [targets[n]]
     accepted, residual, targets = values[k : k + use], values[2 * k : 3 * k], values[3 * k :]
     n = next((j for j, a in enumerate(accepted) if not a), use)
@@ -162,10 +160,8 @@ def verify(trunk, lm_head, caches: list, xs: mx.array, proposal: Proposal, param
         accepted.append(n)
         outs.append(out)
         paths.append(values[:use])
-    winners = [-1] * rows
-    for v, o in enumerate(owners):  # the most accepted; the first path on a tie
-        if winners[o] < 0 or accepted[v] > accepted[winners[o]]:
-            winners[o] = v
+    # Each row's path that accepted most (the first on a tie).
+    winners = [max((v for v, o in enumerate(owners) if o == r), key=accepted.__getitem__) for r in range(rows)]
     commit_rows(caches, width, [len(o) for o in outs])
     if tiled:
         filter_rows(caches, winners, trim=False)

@@ -7,11 +7,10 @@ becomes holes), then drafts:
 
 - chain: K tokens per row, one head forward per position over all rows, kept
   on the device (``mx.async_eval``): the drafts reach the host with the
-  verify's targets in one sync. Constrained rows (`mtp_engine.constraints`)
-  mask each position's logits to what their grammar allows after the drafts
-  before it and advance the grammar along the draft (one sync per position),
-  so no draft breaks a grammar; the proposal carries the masks of every
-  verified position, which the verify forward applies to the trunk's logits;
+  verify's targets in one sync. A constrained row's logits keep, at each
+  position, what its grammar (`mtp_engine.constraints`) allows after the
+  drafts before it, and the grammar follows the draft (one sync per
+  position); the proposal carries the masks for the verify forward;
 - adaptive: a chain that stops, per row, once the running product of its
   top-1 probabilities falls below ``tau`` (one sync per position);
 - paths, tree, adaptive_tree: several paths per row. A row branches by
