@@ -44,7 +44,7 @@ from jobs.prompts import Preparer, Request
 from jobs.readers import PromptSource
 from jobs.runner import scan_dataset
 from mtp_engine import MTPEngine
-from mtp_engine.decoder import Decoder, top_logits
+from mtp_engine.decoder import Decoder
 from mtp_engine.modes import DecodeConfig
 from mtp_engine.tools.lossless import engine_tops, near_tie_bound
 

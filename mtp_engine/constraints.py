@@ -8,7 +8,7 @@ logits keep only the tokens its grammar allows there (`constrain`: the
 others are -inf), before the token is chosen, in plain steps and at every
 position of a verify forward alike, so speculation emits what constrained
 plain decoding emits. Drafts are masked the same way as they are made, in
-every mode: a chain (`mtp_engine.drafters.constrained`) advances the row's
+every mode: a chain (`mtp_engine.drafters.head`) advances the row's
 grammar along its drafts (`RowGrammar.draft`) and goes back to the committed
 tokens after the verify (`RowGrammar.commit`); the tree-shaped modes fork the
 row's grammar per draft path (`PathGrammars`), follow each path with its

@@ -36,10 +36,10 @@ from mtp_engine.cache.batch import BatchKVCache, append_row, filter_rows, make_b
 from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.constraints import Constraint, RowGrammar, constrain, masks_of
 from mtp_engine.controller import Controller, RowAcceptance
-from mtp_engine.drafters.select import GREEDY_ONLY
+from mtp_engine.drafters.select import GREEDY_ONLY, greedy_only
 from mtp_engine.modes import CHAINS, DecodeConfig
 from mtp_engine.prefix import PrefixState, copy_caches
-from mtp_engine.sampling import MAX_LOGPROBS, SamplingParams, apply_penalties, choose, token_logprobs
+from mtp_engine.sampling import MAX_LOGPROBS, SamplingParams, apply_penalties, choose, token_logprobs, top_logits
 from mtp_engine.stopping import Finisher, stop_list
 from mtp_engine.verify import verify
 from schemas.records import GenerationResult, GenerationStats, StepTrace
@@ -88,14 +88,6 @@ class _Queued:
     prefix: PrefixState | None = None
     logprobs: int | None = None
     constraint: Constraint | None = None
-
-
-def top_logits(logits: mx.array, k: int = 4) -> list[list[tuple[int, float]]]:
-    """The ``k`` highest ``(token, logit)`` pairs of each row of ``[n, vocab]``
-    logits, best first (float32 values)."""
-    order = mx.argsort(-logits.astype(mx.float32), axis=-1)[:, :k]
-    values = mx.take_along_axis(logits, order, axis=-1).astype(mx.float32)
-    return [list(zip(t, v)) for t, v in zip(order.tolist(), values.tolist())]
 
 
 class Decoder:
@@ -157,19 +149,21 @@ class Decoder:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         if not samples or not all(isinstance(p, SamplingParams) for p in samples):
             raise TypeError("samples must be a non-empty list of SamplingParams")
-        if self.k and any(p.sampler == "rejection" and not p.greedy for p in samples) and self.decode.mode not in CHAINS:
-            raise ValueError(f"the rejection sampler drafts chains; mode {self.decode.mode!r} needs sampler='exact'")
+        mode = self.decode.mode
+        if self.k and mode not in CHAINS and any(p.sampler == "rejection" and not p.greedy for p in samples):
+            raise ValueError(f"the rejection sampler drafts chains; mode {mode!r} needs sampler='exact'")
         stops = stop_list(stop)
         engine = self.engine
         ids = engine.check_prompt(engine.encode(prompt))
         if constraint is not None:
-            self._check_constraint(constraint)
+            if not isinstance(constraint, Constraint):
+                raise TypeError(f"constraint must be a Constraint, got {type(constraint).__name__}")
+            engine.grammars.check(constraint)
         plain_greedy = all(p.greedy for p in samples) and constraint is None  # rows the C++ drafter can draft
         if self.k and self._own_drafter:  # a drafter that cannot draft these rows is named now
-            engine.pick_drafter(self.decode.mode, self.decode.drafter, plain_greedy)
+            engine.pick_drafter(mode, self.decode.drafter, plain_greedy)
         elif self.k and self.drafter.name in GREEDY_ONLY and not plain_greedy:
-            raise ValueError(f"the {self.drafter.name} drafter drafts greedily, unmasked; sampled and constrained "
-                             "rows need the MLX head")
+            raise greedy_only(self.drafter.name)
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
                                      or not 0 <= logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {logprobs!r}")
@@ -178,15 +172,6 @@ class Decoder:
                              "and go on past them")
         self.queue.append(_Queued(key, ids, min(max_tokens, engine.context_length - len(ids)), stops,
                                   list(samples), trace, prefix, logprobs, constraint))
-
-    def _check_constraint(self, constraint: Constraint) -> None:
-        """Raise unless rows of ``constraint`` can decode here."""
-        if not isinstance(constraint, Constraint):
-            raise TypeError(f"constraint must be a Constraint, got {type(constraint).__name__}")
-        if self.k and self.decode.drafter in GREEDY_ONLY:
-            raise ValueError(f"the {self.decode.drafter} drafter cannot mask drafts; constrained rows draft with "
-                             "the MLX head (drafter='mlx' or 'auto')")
-        self.engine.grammars.check(constraint)
 
     def warm_up(self, sampling: SamplingParams) -> tuple[float, int]:
         """Meet, before the first row, every step shape this decoder takes:

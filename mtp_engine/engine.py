@@ -3,11 +3,10 @@
 Contract: the engine knows nothing about files of jobs, shards or datasets.
 It loads a checkpoint once; every call builds fresh caches, so nothing
 leaks between prompts. Speculative output equals plain decoding of the same
-model (greedy, and the exact sampler for a seed).
-
-Every call decodes through one `mtp_engine.decoder.Decoder`: `generate` is a
-batch of one row, `generate_samples` n rows of one prompt, `generate_batch`
-many prompts at ``decode.batch_size`` rows at a time.
+model (greedy, and the exact sampler for a seed). Every call decodes through
+one `mtp_engine.decoder.Decoder`: `generate` is a batch of one row,
+`generate_samples` n rows of one prompt, `generate_batch` many prompts at
+``decode.batch_size`` rows at a time.
 """
 
 from __future__ import annotations
@@ -87,8 +86,7 @@ class MTPEngine:
             dtype: Cast the weights ("float32", "bfloat16", "float16").
             options: Fast-path switches (default: `EngineOptions.from_env`).
             prefill_step_size: Prompt tokens per prefill forward.
-            **switches: `EngineOptions` fields to change, e.g.
-                ``compile_layers=False``.
+            **switches: `EngineOptions` fields to change (``compile_layers=False``).
 
         Raises:
             See `load_checkpoint`; ValueError for an unknown switch.
@@ -274,15 +272,11 @@ class MTPEngine:
 
     def generate_batch(self, prompts: list[str | list[int]], **kwargs) -> list[GenerationResult]:
         """`generate_batch_iter`'s results, in input order."""
-        results: list[GenerationResult | None] = [None] * len(prompts)
-        for i, result in self.generate_batch_iter(prompts, **kwargs):
-            results[i] = result
-        return results
+        return [result for _, result in sorted(self.generate_batch_iter(prompts, **kwargs), key=lambda row: row[0])]
 
     def _decode(self, prompts, decode: DecodeConfig, samples: list[list[SamplingParams]], budgets: list[int],
-                stop, trace: bool, prefix: PrefixState | None = None, strict: bool = False,
-                logprobs: int | None = None, constraints: list[Constraint | None] | None = None,
-                ) -> Iterator[tuple[tuple[int, int], GenerationResult]]:
+                stop, trace: bool, prefix: PrefixState | None = None, strict: bool = False, logprobs: int | None = None,
+                constraints: list[Constraint | None] | None = None) -> Iterator[tuple[tuple[int, int], GenerationResult]]:
         """``((prompt, sample), result)`` as rows finish, one decoder for all;
         ``prefix`` serves the prompts that continue it (``strict``: every
         prompt must); ``constraints`` has one per prompt (None: none)."""

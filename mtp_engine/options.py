@@ -4,11 +4,9 @@ A fast path replaces an MLX or mlx-lm operation with a faster one that gives
 the same tokens (``docs/BACKENDS.md`` lists each, what it replaces and the
 test that proves it exact). A switch left at its default means "on wherever
 it is available"; the engine reports what each one ended up as
-(`FastPathStatus`).
-
-`ENVIRONMENT` declares the only environment variables the package reads.
-This module imports no MLX (``import mtp_engine`` reads ``MTP_CPU_BLAS``
-before MLX is imported).
+(`FastPathStatus`). `ENVIRONMENT` declares the only environment variables
+the package reads. This module imports no MLX (``import mtp_engine`` reads
+``MTP_CPU_BLAS`` before MLX is imported).
 """
 
 from __future__ import annotations
@@ -37,21 +35,11 @@ covers widths up to this one; wider forwards are prompt prefill."""
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
 
-def parse_bool(name: str, text: str) -> bool:
-    value = text.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name} must be one of {'/'.join(_TRUE + _FALSE)}, got {text!r}")
-
-
-def env_flag(name: str, default: bool = True) -> bool:
-    """A declared boolean environment variable (see `ENVIRONMENT`)."""
-    if name not in ENVIRONMENT:
-        raise KeyError(f"{name} is not a declared environment variable")
+def env_flag(name: str) -> bool:
+    """A declared boolean environment variable (`ENVIRONMENT`), or its field's default when unset."""
+    field = ENVIRONMENT[name][0]
     text = os.environ.get(name)
-    return default if text is None or text == "" else parse_bool(name, text)
+    return _parse(field, text, name) if text else getattr(EngineOptions, field)
 
 
 @dataclass(frozen=True)
@@ -133,14 +121,17 @@ def _parse(name: str, text: str, label: str | None = None) -> int | bool | None:
     (None) where the field takes None."""
     label = label or name
     kind = _KINDS.get(name) or next(f.type for f in fields(EngineOptions) if f.name == name)
-    if kind.endswith("None") and text.strip().lower() == "auto":
+    value = text.strip().lower()
+    if kind.endswith("None") and value == "auto":
         return None
     if kind.startswith("count"):
         try:
             return int(text)
         except ValueError:
             raise ValueError(f"{label} must be an integer, got {text!r}") from None
-    return parse_bool(label, text)
+    if value not in _TRUE + _FALSE:
+        raise ValueError(f"{label} must be one of {'/'.join(_TRUE + _FALSE)}, got {text!r}")
+    return value in _TRUE
 
 
 @dataclass(frozen=True)

@@ -261,6 +261,14 @@ def token_logprobs(logits: mx.array, params: list[SamplingParams], tokens: list[
     return out
 
 
+def top_logits(logits: mx.array, k: int = 4) -> list[list[tuple[int, float]]]:
+    """The ``k`` highest ``(token, logit)`` pairs of each row of ``[n, vocab]``
+    logits, best first (float32 values)."""
+    order = mx.argsort(-logits.astype(mx.float32), axis=-1)[:, :k]
+    values = mx.take_along_axis(logits, order, axis=-1).astype(mx.float32)
+    return [list(zip(t, v)) for t, v in zip(order.tolist(), values.tolist())]
+
+
 def scaled_logprobs(logits: mx.array, params: list[SamplingParams]) -> mx.array:
     """``filtered_logprobs / T`` for each row (axis 0) of ``[R, T, V]``
     logits, each row with its own parameters."""

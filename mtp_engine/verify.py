@@ -78,9 +78,7 @@ def decide(values: list[int], k: int, rejection: bool, use: int) -> tuple[int, l
     draft = values[:use]
     if not rejection:
         targets = values[k:]
-        n = 0
-        while n < use and draft[n] == targets[n]:
-            n += 1
+        n = next((j for j in range(use) if draft[j] != targets[j]), use)
         return n, draft[:n] + [targets[n]]
     accepted, residual, targets = values[k : k + use], values[2 * k : 3 * k], values[3 * k :]
     n = next((j for j, a in enumerate(accepted) if not a), use)
@@ -129,18 +127,16 @@ def verify(trunk, lm_head, caches: list, xs: mx.array, proposal: Proposal, param
             counts the drafts before it).
     """
     rows = xs.shape[0]
-    drafts, owners, uses, q_scaled = proposal.tokens, proposal.owners, proposal.uses, proposal.q_scaled
-    tiled = owners is not None and owners != list(range(rows))
-    owners = owners if owners is not None else list(range(rows))
-    width = drafts.shape[1] + 1
+    owners = proposal.owners if proposal.owners is not None else list(range(rows))
+    tiled = owners != list(range(rows))
+    width = proposal.tokens.shape[1] + 1
     if tiled:
         filter_rows(caches, owners, trim=False)
         xs = xs[mx.array(owners, dtype=mx.int32)]
-    inputs = mx.concatenate([xs, drafts.astype(mx.int32)], axis=1)  # [V, K+1]
-    if width > 1:
-        for c in caches:
-            if isinstance(c, StateCaptureCache):
-                c.begin_capture()
+    inputs = mx.concatenate([xs, proposal.tokens.astype(mx.int32)], axis=1)  # [V, K+1]
+    for c in caches:
+        if isinstance(c, StateCaptureCache):
+            c.begin_capture()
     hidden = trunk(inputs, cache=caches)  # [V, K+1, dim]
     logits = lm_head(hidden)
     vparams = [params[o] for o in owners]
@@ -148,28 +144,25 @@ def verify(trunk, lm_head, caches: list, xs: mx.array, proposal: Proposal, param
     if histories is not None:
         logits = apply_penalties(logits, vparams, [histories[o] for o in owners], inputs[:, 1:])
     logits = constrain(logits, proposal.masks)  # constrained rows: what their grammars allow
-    rejecting = [q_scaled is not None and p.sampler == "rejection" and not p.greedy for p in vparams]
+    rejecting = [proposal.q_scaled is not None and p.sampler == "rejection" and not p.greedy for p in vparams]
     lazy = []
     if not all(rejecting):  # rows whose drafts match targets (greedy, exact sampler)
         lazy.append(decisions(inputs[:, 1:], logits, vparams, vstarts))
     if any(rejecting):
-        lazy.append(decisions(inputs[:, 1:], logits, vparams, vstarts, q_scaled))
+        lazy.append(decisions(inputs[:, 1:], logits, vparams, vstarts, proposal.q_scaled))
     mx.eval(*lazy)  # one sync for everything the host reads
     reads = [a.tolist() for a in lazy]
     accepted, outs, paths = [], [], []
     for v in range(len(owners)):
-        use = width - 1 if uses is None else min(uses[v], width - 1)
+        use = width - 1 if proposal.uses is None else min(proposal.uses[v], width - 1)
         values = reads[-1 if rejecting[v] else 0][v]  # both layouts start with the drafts
         n, out = decide(values, width - 1, rejecting[v], use)
         accepted.append(n)
         outs.append(out)
         paths.append(values[:use])
-    winners = [-1] * rows
-    for v, o in enumerate(owners):  # the most accepted; the first path on a tie
-        if winners[o] < 0 or accepted[v] > accepted[winners[o]]:
-            winners[o] = v
-    keep = [len(o) for o in outs]
-    commit_rows(caches, width, keep)
+    # Each row's path that accepted most (the first on a tie).
+    winners = [max((v for v, o in enumerate(owners) if o == r), key=accepted.__getitem__) for r in range(rows)]
+    commit_rows(caches, width, [len(o) for o in outs])
     if tiled:
         filter_rows(caches, winners, trim=False)
     return Verified([outs[w] for w in winners], winners, paths, accepted, hidden, logits)

@@ -123,10 +123,7 @@ class BatchKVCache:
         """After a forward over ``width`` inputs per row, row ``b`` keeps the
         first ``keep[b]`` of them; the others become holes. A suffix no row
         keeps is trimmed instead."""
-        if len(keep) != len(self.positions):
-            raise ValueError(f"{len(keep)} keep counts for {len(self.positions)} rows")
-        if any(not 0 <= k <= width for k in keep):
-            raise ValueError(f"keep counts must be in 0..{width}, got {keep}")
+        assert len(keep) == len(self.positions) and all(0 <= k <= width for k in keep), (keep, width)
         self.positions = [p - width + k for p, k in zip(self.positions, keep)]
         trimmed = width - max(keep, default=width)
         self.idx -= trimmed
@@ -139,8 +136,7 @@ class BatchKVCache:
 
     def rewind(self, idx: int, positions: list[int]) -> None:
         """Forget every entry from ``idx`` on (what drafting wrote)."""
-        if not 0 <= idx <= self.idx:
-            raise ValueError(f"cannot rewind to {idx}; {self.idx} entries are written")
+        assert 0 <= idx <= self.idx, (idx, self.idx)
         self.idx = idx
         self.positions = list(positions)
 
@@ -161,14 +157,17 @@ class BatchKVCache:
         (if it is longer than ``idx``, the others get holes in front of
         theirs), and the old row's all become holes. Only that row's slice
         is written, where `filter` and `add_row` would copy every row."""
-        if not 0 <= row < len(self.positions):
-            raise ValueError(f"row {row} of a batch of {len(self.positions)}")
+        assert 0 <= row < len(self.positions), (row, len(self.positions))
         if keys is None:  # a row with no entries yet
             length = 0
         elif length:
             keys, values = keys[..., :length, :], values[..., :length, :]
-            if length > self.idx:
-                self._shift_to(length, keys, values)
+            if length > self.idx:  # the write index moves up to ``length``: the other rows start with a gap
+                if self.keys is None:
+                    self._start(keys, values)
+                self._pad(entries=length - self.idx)
+                self.idx = length
+                self.holes = self.holes or len(self.positions) > 1
             start = self.idx - length
             self.keys[row : row + 1, :, start : self.idx, :] = keys.astype(self.keys.dtype)
             self.values[row : row + 1, :, start : self.idx, :] = values.astype(self.values.dtype)
@@ -191,15 +190,6 @@ class BatchKVCache:
             self.idx -= lead
         self.holes = bool((~self.valid[:, : self.idx]).any().item()) if self.idx else False
 
-    def _shift_to(self, idx: int, keys: mx.array, values: mx.array) -> None:
-        """Move the write index up to ``idx``; the rows so far get holes."""
-        if self.keys is None:
-            self._start(keys, values)
-        self._pad(entries=idx - self.idx)
-        self.idx = idx
-        if len(self.positions) > 1:  # the other rows (the caller fills one) start with a gap
-            self.holes = True
-
     def take(self, rows: list[int]) -> "BatchKVCache":
         """A new cache holding these rows (repeats allowed: a row per path
         of a draft tree); this one is unchanged."""
@@ -214,17 +204,11 @@ class BatchKVCache:
     def filter(self, rows: list[int], trim: bool = True) -> None:
         """Keep only these rows (in this order); with ``trim``, drop the
         leading entries no row attends (a host sync)."""
-        self.positions = [self.positions[r] for r in rows]
-        if self.keys is None:
-            return
-        index = mx.array(rows, dtype=mx.int32)
-        self.keys, self.values, self.valid = self.keys[index], self.values[index], self.valid[index]
-        if not rows:
-            self.keys = self.values = self.valid = None
-            self.idx, self.holes = 0, False
-            return
+        kept = self.take(rows) if rows else BatchKVCache()
+        self.keys, self.values, self.valid = kept.keys, kept.values, kept.valid
+        self.idx, self.positions, self.holes = kept.idx, kept.positions, kept.holes
         if trim:
-            self.trim_leading()  # leading entries that every remaining row has as holes go
+            self.trim_leading()
 
 
 @lru_cache(maxsize=8)

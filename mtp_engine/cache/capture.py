@@ -20,8 +20,7 @@ class CapturedStates(Sequence):
     """``[conv_state, ssm_state]`` after each token of a captured forward."""
 
     def __init__(self, conv_states: Sequence, ssm_states: Sequence):
-        if len(conv_states) != len(ssm_states):
-            raise ValueError(f"{len(conv_states)} conv windows for {len(ssm_states)} recurrent states")
+        assert len(conv_states) == len(ssm_states), (len(conv_states), len(ssm_states))
         self.conv_states = conv_states
         self.ssm_states = ssm_states
 
@@ -49,18 +48,15 @@ class StateCaptureCache(ArraysCache):
         self.captured: CapturedStates | None = None
 
     def begin_capture(self) -> None:
-        self.capture = True
-        self.captured = None
+        self.capture, self.captured = True, None
 
     def clear_captured(self) -> None:
-        self.capture = False
-        self.captured = None
+        self.capture, self.captured = False, None
 
     def record(self, tokens: int, conv_states: Sequence, ssm_states: Sequence) -> None:
         """Advance past the ``tokens`` of a forward and, when capturing, keep
         their per-token states."""
-        self[0] = conv_states[-1]
-        self[1] = ssm_states[-1]
+        self[0], self[1] = conv_states[-1], ssm_states[-1]
         self.advance(tokens)
         if self.capture:
             self.captured = CapturedStates(conv_states, ssm_states)

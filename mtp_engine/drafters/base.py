@@ -1,13 +1,12 @@
 """The interface every drafter implements.
 
-A drafter proposes tokens from the MTP head for the rows of a batch (one row
-is a batch of one); the trunk's verify forward decides what is emitted, so a
-drafter changes speed, never the output. Every drafter keeps the same
-bookkeeping per row: the head's cache plus the *pending* pairs, ``(H_i,
-t_{i+1})`` pairs the head has not consumed yet. After every commit the
-pending pairs are the accepted tokens against the trunk's true hiddens, so
-the head's cache always matches the committed text; the next draft consumes
-them in the forward that makes its first draft token.
+A drafter proposes tokens from the MTP head for the rows of a batch; the
+trunk's verify forward decides what is emitted, so a drafter changes speed,
+never the output. Per row, a drafter keeps the head's cache and the
+*pending* pairs ``(H_i, t_{i+1})`` the head has not consumed: after every
+commit, the accepted tokens against the trunk's true hiddens (so the head's
+cache always matches the committed text), consumed by the next draft's
+first forward.
 """
 
 from __future__ import annotations
@@ -46,19 +45,13 @@ class Proposal:
         """Host paths of different lengths, each padded by repeating its last
         token and using at most its own length and its row's cap."""
         width = max(len(p) for p in paths)
-        rows = owners if owners is not None else range(len(paths))
         return cls(mx.array([p + [p[-1]] * (width - len(p)) for p in paths], dtype=mx.int32), owners=owners,
-                   uses=[min(len(p), caps[o]) for p, o in zip(paths, rows)], masks=masks)
+                   uses=[min(len(p), caps[o]) for p, o in zip(paths, owners or range(len(paths)))], masks=masks)
 
 
 class Drafter(Protocol):
-    """What the decoder calls on a drafter.
-
-    Attributes:
-        name: The drafter's name, as ``DecodeConfig(drafter=...)`` takes it.
-        modes: The decoding modes it can draft.
-        rows: Rows it drafts for.
-    """
+    """What the decoder calls on a drafter: ``name`` (as ``DecodeConfig(drafter=...)``
+    takes it), the ``modes`` it drafts, the ``rows`` it drafts for."""
 
     name: str
     modes: frozenset[str]
@@ -72,9 +65,8 @@ class Drafter(Protocol):
         """Keep only these rows, in this order."""
 
     def extend(self, hidden: mx.array, tokens: list[list[int]]) -> None:
-        """Queue the pairs of one plain step (mode "auto"): row ``b``'s
-        ``(hidden[b, 0], tokens[b][0])`` after its pending ones, where
-        ``tokens[b]`` holds that step's token or nothing (a row not fed)."""
+        """Queue a plain step's pairs (mode "auto"): row ``b``'s ``(hidden[b, 0],
+        tokens[b][0])``, where ``tokens[b]`` is empty for a row not fed."""
 
     def propose(self, decode, k: int, params: list, starts: list[int], caps: list[int], grammars=None) -> Proposal:
         """Drafts for one verify forward (``k`` deep at most, row ``b`` using

@@ -7,7 +7,10 @@ becomes holes), then drafts:
 
 - chain: K tokens per row, one head forward per position over all rows, kept
   on the device (``mx.async_eval``): the drafts reach the host with the
-  verify's targets in one sync;
+  verify's targets in one sync. A constrained row's logits keep, at each
+  position, what its grammar (`mtp_engine.constraints`) allows after the
+  drafts before it, and the grammar follows the draft (one sync per
+  position); the proposal carries the masks for the verify forward;
 - adaptive: a chain that stops, per row, once the running product of its
   top-1 probabilities falls below ``tau`` (one sync per position);
 - paths, tree, adaptive_tree: several paths per row. A row branches by
@@ -27,10 +30,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mtp_engine.cache.batch import BatchKVCache
-from mtp_engine.constraints import PathGrammars
+from mtp_engine.constraints import PathGrammars, constrain, masks_of
 from mtp_engine.drafters.base import Proposal
 from mtp_engine.drafters.compiled_head import CompiledHead
-from mtp_engine.drafters.constrained import masked_chain
 from mtp_engine.model.mtp_head import MTPHead
 from mtp_engine.modes import CHAINS, SPECULATIVE_MODES, DecodeConfig
 from mtp_engine.options import MAX_VERIFY_WIDTH
@@ -173,14 +175,11 @@ class HeadDrafter:
             raise ValueError(f"a draft needs k >= 1 tokens, got {k}")
         m = self._consume()
         mode = decode.mode
-        chain = mode in CHAINS or (mode == "paths" and decode.paths == 1)
-        if chain and grammars is not None:
-            return masked_chain(self, m, k, params, starts, caps, grammars)
-        if chain:
-            return self._chain(m, k, params, starts, caps)
+        if mode in CHAINS or (mode == "paths" and decode.paths == 1):
+            return self._chain(m, k, params, starts, caps, grammars)
         paths = PathGrammars(grammars)
-        if mode == "adaptive":
-            return self._adaptive(m, k, decode.tau, params, starts, caps, paths=paths)
+        if mode in ("adaptive", "adaptive_tree"):
+            return self._adaptive(m, k, decode.tau, params, starts, caps, branch=mode == "adaptive_tree", paths=paths)
         if mode == "paths":
             return self._grow(m, k, params, starts, caps, lambda depth, label: decode.paths if depth == 0 else 1,
                               paths=paths)
@@ -190,30 +189,39 @@ class HeadDrafter:
             def tree(depth, label):  # A (top-1 throughout), B (runner-up at 1), C (runner-up at 2)
                 return 2 if depth == 0 or (two and depth == 1 and label == (0,)) else 1
             return self._grow(m, k, params, starts, caps, tree, order=[0, 2, 1] if two else None, paths=paths)
-        if mode == "adaptive_tree":
-            return self._adaptive(m, k, decode.tau, params, starts, caps, branch=True, paths=paths)
         raise ValueError(f"mode {mode!r} does not draft")
 
-    def _chain(self, m: mx.array, k: int, params, starts, caps) -> Proposal:
-        """K drafts per row, kept on the device (module docstring)."""
-        if all(p.greedy for p in params):
-            drafts = [self._greedy(m[:, 0])]
-            for _ in range(k - 1):
-                mx.async_eval(drafts[-1])
-                m = self._forward(m, drafts[-1][:, None], self.cache)
-                drafts.append(self._greedy(m[:, 0]))
-            mx.async_eval(drafts[-1])  # the device drafts while the caller builds the verify forward
-            return Proposal(mx.stack(drafts, axis=1), uses=caps)
-        drafts, scaled = [], []
+    def _chain(self, m: mx.array, k: int, params, starts, caps, grammars: list | None = None) -> Proposal:
+        """K drafts per row (module docstring); ``grammars`` holds each row's
+        `mtp_engine.constraints.RowGrammar` or None (not masked)."""
+        greedy = grammars is None and all(p.greedy for p in params)
+        drafts, scaled, masks = [], [], []
         for depth in range(k):
             if depth:
                 m = self._forward(m, drafts[-1], self.cache)
-            d, q = draft_choice(self.lm_head(m), params, positions_of(starts, 1) + depth)
+            if greedy:
+                d, q = self._greedy(m[:, 0])[:, None], None
+            else:
+                logits = self.lm_head(m)  # [R, 1, V]
+                if grammars is not None:
+                    mx.async_eval(logits)  # the device computes while the host computes the masks
+                    masks.append(masks_of(grammars))
+                    logits = constrain(logits, masks[-1])
+                d, q = draft_choice(logits, params, positions_of(starts, 1) + depth)
+                if grammars is not None:  # each grammar follows its row's drafts
+                    for g, (t,), cap in zip(grammars, d.tolist(), caps):
+                        if g is not None and depth < cap:
+                            g.draft(t)
+                        elif g is not None:  # past the row's budget: its drafts are not verified
+                            g.ended = True
+            mx.async_eval(d)  # the device drafts while the caller builds the verify forward
             drafts.append(d)
             scaled.append(q)
-            mx.async_eval(d)
+        if grammars is not None:
+            masks.append(masks_of(grammars))  # the bonus position, after every draft
         q_scaled = mx.concatenate(scaled, axis=1) if scaled[0] is not None else None  # [R, k, V]
-        return Proposal(mx.concatenate(drafts, axis=1), uses=caps, q_scaled=q_scaled)
+        return Proposal(mx.concatenate(drafts, axis=1), uses=caps, q_scaled=q_scaled,
+                        masks=mx.concatenate(masks, axis=1) if masks else None)
 
     def _top1(self, logits: mx.array, params, positions: list[int]) -> tuple[list[int], list[float]]:
         """Each row's draft and its (unscaled) probability, one sync."""
@@ -227,58 +235,43 @@ class HeadDrafter:
         """Per row, a chain that stops once the running product of its top-1
         probabilities falls below ``tau``; with ``branch``, rows whose chain
         is at least 2 deep add a path from the runner-up at position 1,
-        continued as deep (adaptive_tree). ``paths`` masks every position."""
-        rows = len(params)
+        continued as deep (adaptive_tree). ``paths`` masks every position; a
+        runner-up its grammar does not allow falls back to the top choice."""
+        n = 2 if branch else 1  # paths a row drafts; its first sets the depth, the second follows it
         logits = paths.constrain(self.lm_head(m[:, 0]))
         cache = self.cache
-        if branch:  # a runner-up the grammar does not allow falls back to the top choice
+        if branch:
             firsts = ranked_rows(logits, params, starts, 2)  # [R, 2]
             probs = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)).tolist()
-            paths.take([r for r in range(rows) for _ in (0, 1)])
-            first = paths.advance([t for f in firsts for t in f], fallback=[f[0] for f in firsts for _ in (0, 1)])
-            chains, others = [[t] for t in first[::2]], [[t] for t in first[1::2]]
-            cache = [c.take([r for r in range(rows) for _ in (0, 1)]) for c in self.cache]
+            cache = [c.take([r for r in range(len(params)) for _ in (0, 1)]) for c in self.cache]
             m = mx.repeat(m, 2, axis=0)
-            last = mx.array(first, dtype=mx.int32)
+            paths.take([r for r in range(len(params)) for _ in (0, 1)])
         else:
             first, probs = self._top1(logits, params, starts)
-            chains, others = [[t] for t in paths.advance(first)], None
-            last = mx.array(first, dtype=mx.int32)
+            firsts = [[t] for t in first]
+        first = paths.advance([t for f in firsts for t in f],
+                              fallback=[f[0] for f in firsts for _ in f] if branch else None)
+        drafts = [[t] for t in first]  # row b's paths are b * n .. b * n + n - 1
+        last = mx.array(first, dtype=mx.int32)
         confidence = list(probs)
-        active = [len(c) < min(k, cap) and p >= tau for c, cap, p in zip(chains, caps, confidence)]
+        active = [1 < min(k, cap) and p >= tau for cap, p in zip(caps, confidence)]
         depth = 1
         while any(active):
             m = self._forward(m, last[:, None], cache)
-            logits = paths.constrain(self.lm_head(m[:, 0]))
-            if branch:  # path A of each row sets the depth; B follows greedily (or by its sampler)
-                pairs = [p for p in params for _ in (0, 1)]
-                spots = [s + depth for s in starts for _ in (0, 1)]
-                tokens, probs = self._top1(logits, pairs, spots)
-                step = [(tokens[2 * b], probs[2 * b], tokens[2 * b + 1]) for b in range(rows)]
-            else:
-                tokens, probs = self._top1(logits, params, [s + depth for s in starts])
-                step = [(t, p, None) for t, p in zip(tokens, probs)]
-            paths.advance(tokens, moving=[a for a in active for _ in range(1 + branch)])
-            for b, (t, p, other) in enumerate(step):
+            tokens, probs = self._top1(paths.constrain(self.lm_head(m[:, 0])), [p for p in params for _ in range(n)],
+                                       [s + depth for s in starts for _ in range(n)])
+            paths.advance(tokens, moving=[a for a in active for _ in range(n)])
+            for b in range(len(params)):
                 if active[b]:
-                    chains[b].append(t)
-                    confidence[b] *= p
-                    if other is not None:
-                        others[b].append(other)
-                    active[b] = len(chains[b]) < min(k, caps[b]) and confidence[b] >= tau
+                    for j in range(b * n, b * n + n):
+                        drafts[j].append(tokens[j])
+                    confidence[b] *= probs[b * n]
+                    active[b] = len(drafts[b * n]) < min(k, caps[b]) and confidence[b] >= tau
             last = mx.array(tokens, dtype=mx.int32)
             depth += 1
-        if not branch:
-            return Proposal.padded(chains, caps, masks=paths.masks())
-        out, owners = [], []
-        for b, (a, o) in enumerate(zip(chains, others)):
-            out.append(a)
-            owners.append(b)
-            if len(a) >= 2:
-                out.append(o[: len(a)])
-                owners.append(b)
-        kept = [p for b, a in enumerate(chains) for p in (2 * b, 2 * b + 1)[: 1 + (len(a) >= 2)]]
-        return Proposal.padded(out, caps, owners, masks=paths.masks(kept))
+        kept = [j for j, p in enumerate(drafts) if j % n == 0 or len(p) >= 2]
+        return Proposal.padded([drafts[j] for j in kept], caps, [j // n for j in kept] if branch else None,
+                               masks=paths.masks(kept))
 
     def _grow(self, m: mx.array, k: int, params, starts, caps, branches, order: list[int] | None = None, *,
               paths: PathGrammars) -> Proposal:

@@ -23,7 +23,13 @@ from mtp_engine.modes import CHAINS, DRAFTERS
 from mtp_engine.options import EngineOptions, FastPathStatus
 
 GREEDY_ONLY = ("cpp", "cuda")
-"""Drafters that draft greedily only."""
+"""Drafters that draft greedily only, unmasked."""
+
+
+def greedy_only(name: str) -> ValueError:
+    """The error for sampled or constrained rows given to a drafter of `GREEDY_ONLY`."""
+    return ValueError(f"the {name} drafter drafts greedily, unmasked; sampled and constrained rows draft with the "
+                      "MLX head (drafter='mlx' or 'auto')")
 
 
 @dataclass
@@ -41,16 +47,10 @@ class DrafterParts:
 
 def build_drafters(head, embed, lm_head, lm_head_module, prefill_step_size: int,
                    options: EngineOptions) -> DrafterParts:
-    """Drafting parts for a loaded head.
-
-    Args:
-        head: The `MTPHead`; embed: the trunk's embedding.
-        lm_head: Hiddens to logits (the trunk's LM head, tied or not).
-        lm_head_module: The module whose weight ``lm_head`` uses (the
-            embedding when tied), for the native drafters.
-        prefill_step_size: Pending pairs per forward at most.
-        options: The fast-path switches.
-    """
+    """Drafting parts for a loaded head: ``head, embed, lm_head,
+    prefill_step_size`` as `HeadDrafter` takes them; ``lm_head_module``, the
+    module whose weight ``lm_head`` uses (the embedding when tied), for the
+    native drafters; ``options``, the fast-path switches."""
     compiles = can_compile_head(head)
     compiled = decide("compile_head", options.compile_head, compiles,
                       None if compiles else "the head's RoPE takes no array offset", "draft forward in 3 traces")
@@ -60,20 +60,16 @@ def build_drafters(head, embed, lm_head, lm_head_module, prefill_step_size: int,
 
     on_gpu = mx.default_device() != mx.cpu
     wanted = options.cpp_drafter_on_gpu if on_gpu else options.cpp_drafter
-    why = None
-    if wanted:
-        parts.cpp, why = build_cpp_head(head, embed, lm_head_module, on_gpu=on_gpu)
+    parts.cpp, why = build_cpp_head(head, embed, lm_head_module, on_gpu=on_gpu) if wanted else (None, None)
     where = "on the host CPU while the GPU verifies" if on_gpu else "greedy chain and adaptive drafts"
-    if on_gpu:  # opt-in there: "off" is the backend's default, not a choice
-        parts.statuses.append(decide("cpp_drafter", True if wanted else None, False, why, where))
-    else:
-        parts.statuses.append(decide("cpp_drafter", wanted, True, why, where))
+    # Opt-in on a GPU: "off" is then the backend's default, not a choice.
+    parts.statuses.append(decide("cpp_drafter", (wanted or None) if on_gpu else wanted, not on_gpu, why, where))
 
-    why = None
-    if options.cuda_chain_drafter:
+    why = None if on_gpu else "not MLX's CUDA backend"
+    if options.cuda_chain_drafter and on_gpu:
         from mtp_engine.drafters.cuda_chain import build_chain_kernel  # CUDA only
 
-        parts.kernel, why = build_chain_kernel(head, embed, lm_head_module) if on_gpu else (None, "not MLX's CUDA backend")
+        parts.kernel, why = build_chain_kernel(head, embed, lm_head_module)
     parts.statuses.append(decide("cuda_chain_drafter", options.cuda_chain_drafter, True, why,
                                  "a greedy chain in one launch (a batch of one row)"))
     return parts
@@ -90,21 +86,17 @@ def pick(parts: DrafterParts, mode: str, choice: str = "auto", greedy: bool = Tr
     if choice not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))}, got {choice!r}")
     if not greedy and choice in GREEDY_ONLY:
-        raise ValueError(f"the {choice} drafter drafts greedily; sampling drafts with the MLX head (drafter='mlx')")
+        raise greedy_only(choice)
     cpp_ok = parts.cpp is not None and mode in CppDrafter.modes and greedy
     cuda_ok = parts.kernel is not None and mode in CHAINS and greedy
     if choice == "auto":
         return "cpp" if cpp_ok else "cuda" if cuda_ok else "mlx" if parts.compiled is not None else "mlx-eager"
     if choice == "cpp" and not cpp_ok:
-        raise ValueError(
-            f"no C++ drafter for mode {mode!r}: it drafts chain and adaptive modes on the CPU backend "
-            "(or with cpp_drafter_on_gpu) when _mtp_cpp_drafter is built and the head is one it runs"
-        )
+        raise ValueError(f"no C++ drafter for mode {mode!r}: it drafts chain and adaptive modes on the CPU backend "
+                         "(or with cpp_drafter_on_gpu) when _mtp_cpp_drafter is built and the head is one it runs")
     if choice == "cuda" and not cuda_ok:
-        raise ValueError(
-            f"no cuda chain drafter for mode {mode!r}: it drafts chain mode on MLX's CUDA backend "
-            "for one-layer MoE heads of unquantized weights (mtp_engine.kernels.cuda_chain)"
-        )
+        raise ValueError(f"no cuda chain drafter for mode {mode!r}: it drafts chain mode on MLX's CUDA backend "
+                         "for one-layer MoE heads of unquantized weights (mtp_engine.kernels.cuda_chain)")
     return "mlx-eager" if choice == "mlx" and parts.compiled is None else choice
 
 

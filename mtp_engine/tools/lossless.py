@@ -52,6 +52,7 @@ from mlx_lm.generate import generate_step
 
 from mtp_engine.engine import MTPEngine
 from mtp_engine.kernels import cpu_blas
+from mtp_engine.sampling import top_logits
 from mtp_engine.tools.bench import (
     DEFAULT_MODEL,
     DEFAULT_MODES,
@@ -62,7 +63,6 @@ from mtp_engine.tools.bench import (
     load_engine,
     read_prompts,
 )
-from mtp_engine.decoder import top_logits
 
 FLOAT32_NEAR_TIE = 1e-4
 # Noise above this many near-tie bounds is not arithmetic: a wrong cache
