@@ -19,11 +19,14 @@
 #   bash benchmarks/cpu.sh prefix     # a job of 256 rows sharing a 512-token system prompt (python -m jobs.prefix_data),
 #                                     # 128 new tokens, B=32, prefix sharing off and on (~7 min) -> results/cpu-prefix.json
 #   bash benchmarks/cpu.sh constraints  # 64 prompts x 128 tokens at B=32, batched chain K=3 and auto, unconstrained and
-#                                       # with examples/record.schema.json (~4 min) -> results/cpu-constraints.json
+#                                       # with examples/record.schema.json; then at 48 new tokens (~7 min)
+#                                       # -> results/cpu-constraints.json, cpu-constraints-48.json
+#   bash benchmarks/cpu.sh logprobs   # 64 prompts x 128 tokens at B=32, plain batching and batched chain K=3, without
+#                                     # and with --logprobs 5 (~6 min) -> results/cpu-logprobs.json
 set -euo pipefail
 py=${PY:-.venv/bin/python}
 results=benchmarks/results
-case "${1:?bench, lossless, dataset, dataset-full, sampling, quantized, job, prefix or constraints}" in
+case "${1:?bench, lossless, dataset, dataset-full, sampling, quantized, job, prefix, constraints or logprobs}" in
   bench)
     $py -m mtp_engine.bench --json "$results/cpu-bench.json" ;;
   lossless)
@@ -59,6 +62,12 @@ case "${1:?bench, lossless, dataset, dataset-full, sampling, quantized, job, pre
   constraints)
     schema='json_schema="examples/record.schema.json"'
     $py -m jobs.bench --limit 64 --max-tokens 128 --batch-size 32 --rounds 2 \
-      --modes chain:3 "chain:3,$schema" auto "auto,$schema" --json "$results/cpu-constraints.json" ;;
+      --modes chain:3 "chain:3,$schema" auto "auto,$schema" --json "$results/cpu-constraints.json"
+    # the same at 48 new tokens, where schema rows and free rows both run to the budget
+    $py -m jobs.bench --limit 64 --max-tokens 48 --batch-size 32 --rounds 2 \
+      --modes chain:3 "chain:3,$schema" auto "auto,$schema" --json "$results/cpu-constraints-48.json" ;;
+  logprobs)
+    $py -m jobs.bench --limit 64 --max-tokens 128 --batch-size 32 --rounds 2 \
+      --modes baseline baseline,logprobs=5 chain:3 chain:3,logprobs=5 --json "$results/cpu-logprobs.json" ;;
   *) echo "unknown suite $1" >&2; exit 2 ;;
 esac

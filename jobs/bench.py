@@ -6,7 +6,8 @@ views out, into a fresh folder each time) once per mode, round and
 temperature, alternating the modes so a drifting host falls on each alike. It reports
 each run's completion tokens per second over the job's whole wall time
 (reading the dataset, prefill, decoding, commits), the ratio to the first
-mode's runs, whether every mode wrote the first mode's completions, and, for
+mode's runs, whether every mode wrote the first mode's completions (a
+constrained mode: the first mode's of the same constraint), and, for
 mode "auto", the depths its controller chose. The model load is not timed
 (each job would pay it once).
 
@@ -61,6 +62,12 @@ def mode_spec(text: str) -> tuple[str, int | None, dict]:
             raise argparse.ArgumentTypeError(f"{setting!r} in {text!r} is not SETTING=VALUE of a job setting")
         overrides[key] = orjson.loads(value) if value not in ("", "none") else None
     return name, int(k) if k else None, overrides
+
+
+def _constraint(mode: str) -> dict:
+    """The output constraint settings of a ``--modes`` entry: modes that
+    differ in them write different rows by design."""
+    return {k: v for k, v in mode_spec(mode)[2].items() if k in ("json_schema", "regex", "choices")}
 
 
 def _argument(parse):
@@ -151,7 +158,8 @@ def run_once(engine, dataset: str, model: str, output: Path, mode: str, temperat
             "warmup_s": round(totals.warmup_s, 3),
             "controller": next((line for line in lines if line.startswith("auto:")), None),
             "prefixes": next((line for line in lines if line.startswith("prefixes:")), None),
-            "completions": {r["id"]: r["token_ids"] or r["completion"] for r in rows},
+            "completions": {r["id"]: r["completion"] for r in rows},  # the text: every run has it, --logprobs or not
+            "token_ids": {r["id"]: r.get("token_ids") for r in rows},
             "depths": depths if name == "auto" else None,
             "acceptance_length": round((accepted + steps) / steps, 3) if steps else None,
             "masks": masks[0], "mask_us_per_token": round(masks[1] / summary.tokens * 1e6, 1) if masks[0] else None}
@@ -211,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                     out = Path(tmp) / f"{mode}-{temperature}-{r}"
                     run = run_once(engine, args.dataset, args.model, out, mode, temperature, args, references)
                     if args.acceptance_profile and references is None:
-                        references = run["completions"]  # the first baseline run's tokens
+                        references = run["token_ids"]  # the first baseline run's tokens
                     run["round"] = r
                     runs.append(run)
                     print(f"T={temperature} round {r + 1}/{args.rounds} {mode}: {run['tok_s']} tok/s "
@@ -230,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes:
             mine = [run for run in here if run["mode"] == mode]
             rate = statistics.mean(run["tok_s"] for run in mine)
-            same = all(run["completions"] == reference[0]["completions"] for run in mine)
+            # rows are compared with the first mode's, or with the first mode's of the same constraint
+            twin = next(m for m in args.modes if _constraint(m) == _constraint(mode))
+            same = all(run["completions"] == next(r for r in here if r["mode"] == twin)["completions"] for run in mine)
             depths = [sum(d) for d in zip(*[run["depths"] for run in mine])] if mine[0]["depths"] else None
             decode = statistics.mean(run["decode_tok_s"] for run in mine)
             ref_decode = statistics.mean(run["decode_tok_s"] for run in reference)
@@ -254,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
               "model": f"synthetic {args.synthetic} (random 4-bit weights)" if args.synthetic else args.model,
               "acceptance": label or "measured",
               "settings": {k: v for k, v in vars(args).items() if k != "json"}, "summary": summary,
-              "runs": [{k: v for k, v in run.items() if k != "completions"} for run in runs]}
+              "runs": [{k: v for k, v in run.items() if k not in ("completions", "token_ids")} for run in runs]}
     if args.json:
         Path(args.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     return 0 if all(s["same_completions"] for s in summary) else 1

@@ -1,0 +1,22 @@
+"""The job benchmark (``python -m jobs.bench``): the same job once per mode,
+reported side by side, runs with ``--logprobs`` among them."""
+
+from __future__ import annotations
+
+import orjson
+
+from jobs import bench
+
+from tests.jobs.conftest import prompt_rows, write_jsonl
+
+
+def test_the_job_benchmark_compares_modes_with_and_without_logprobs(tmp_path, job_model):
+    data = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows(4))
+    report = tmp_path / "report.json"
+    modes = ["baseline", "baseline,logprobs=3", "chain:2"]
+    assert bench.main(["--dataset", str(data), "--model", str(job_model), "--max-tokens", "6", "--batch-size", "2",
+                       "--rounds", "1", "--modes", *modes, "--json", str(report)]) == 0
+    summary = orjson.loads(report.read_bytes())["summary"]
+    assert [s["mode"] for s in summary] == modes
+    assert all(s["same_completions"] and s["tok_s"] > 0 for s in summary)
+    assert summary[0]["ratio"] == 1.0
