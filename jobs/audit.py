@@ -46,6 +46,7 @@ from jobs.runner import scan_dataset
 from mtp_engine import MTPEngine
 from mtp_engine.decoder import Decoder
 from mtp_engine.modes import DecodeConfig
+from mtp_engine.sampling import top_logits
 from mtp_engine.tools.lossless import engine_tops, near_tie_bound
 
 HALF_ULPS = 4.0
