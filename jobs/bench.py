@@ -42,6 +42,7 @@ from jobs.prefix_data import make_rows
 from jobs.runner import run_job
 from jobs.status import folder_state
 from mtp_engine import MTPEngine
+from mtp_engine.constraints import ROW_FIELDS
 from mtp_engine.modes import MODES
 from mtp_engine.tools.projection import ProjectedDrafts, ProjectingDrafter, parse_later, parse_profile
 from mtp_engine.tools.synthetic import SYNTHETIC, random_quantized_checkpoint
@@ -67,7 +68,7 @@ def mode_spec(text: str) -> tuple[str, int | None, dict]:
 def _constraint(mode: str) -> dict:
     """The output constraint settings of a ``--modes`` entry: modes that
     differ in them write different rows by design."""
-    return {k: v for k, v in mode_spec(mode)[2].items() if k in ("json_schema", "regex", "choices")}
+    return {k: v for k, v in mode_spec(mode)[2].items() if k in ROW_FIELDS}
 
 
 def _argument(parse):

@@ -160,8 +160,10 @@ def verify(trunk, lm_head, caches: list, xs: mx.array, proposal: Proposal, param
         accepted.append(n)
         outs.append(out)
         paths.append(values[:use])
-    # Each row's path that accepted most (the first on a tie).
-    winners = [max((v for v, o in enumerate(owners) if o == r), key=accepted.__getitem__) for r in range(rows)]
+    winners = [-1] * rows
+    for v, o in enumerate(owners):  # each row's path that accepted most, the first on a tie
+        if winners[o] < 0 or accepted[v] > accepted[winners[o]]:
+            winners[o] = v
     commit_rows(caches, width, [len(o) for o in outs])
     if tiled:
         filter_rows(caches, winners, trim=False)

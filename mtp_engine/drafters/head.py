@@ -271,7 +271,7 @@ class HeadDrafter:
             depth += 1
         kept = [j for j, p in enumerate(drafts) if j % n == 0 or len(p) >= 2]
         return Proposal.padded([drafts[j] for j in kept], caps, [j // n for j in kept] if branch else None,
-                               masks=paths.masks(kept))
+                               masks=paths.masks(kept if branch else None))
 
     def _grow(self, m: mx.array, k: int, params, starts, caps, branches, order: list[int] | None = None, *,
               paths: PathGrammars) -> Proposal:
@@ -320,7 +320,7 @@ class HeadDrafter:
         picks = range(len(tokens)) if order is None else [b * len(order) + j for b in range(rows) for j in order]
         tokens, owners = [tokens[i] for i in picks], [owners[i] for i in picks]
         return Proposal(mx.array(tokens, dtype=mx.int32), owners=owners, uses=[min(k, caps[o]) for o in owners],
-                        masks=paths.masks(list(picks)))
+                        masks=paths.masks(None if order is None else picks))
 
     def commit(self, hidden: mx.array, emitted: list[list[int]], winners: list[int]) -> None:
         if self._base is not None:
