@@ -15,7 +15,9 @@ DATASET ?=
 OUT ?= out/$(basename $(notdir $(DATASET)))
 ARGS ?=
 NP ?= 1
-PYTEST_ARGS ?=
+# The suite's files spread over up to 4 processes (pytest-xdist); each file runs whole in one, so its
+# module fixtures are built once.
+PYTEST_ARGS ?= -n auto --maxprocesses 4 --dist loadfile
 
 # Linux CPU: native/build_native.py builds the CPU fast paths into .venv
 # (docs/BACKENDS.md). The package loads them itself; without them the engine

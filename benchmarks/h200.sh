@@ -55,9 +55,11 @@ case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audi
   tests)
     timeout "${LIMIT:-480}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
       tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/model/test_dispatch.py tests/mtp_engine/model/test_rope.py \
-      tests/mtp_engine/model/test_quantized.py tests/mtp_engine/test_sampling.py 2>&1 | tail -15 ;;
+      tests/mtp_engine/model/test_quantized.py tests/mtp_engine/test_sampling.py -rfEs --durations=15 2>&1 \
+      | tee "$out/$gpu-tests.log" | tail -40 ;;
   tests-decoder)
-    timeout "${LIMIT:-540}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/test_decoder.py 2>&1 | tail -15 ;;
+    timeout "${LIMIT:-540}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/test_decoder.py -rfEs --durations=10 2>&1 \
+      | tee "$out/$gpu-tests-decoder.log" | tail -30 ;;
   shipped)
     timeout "${LIMIT:-300}" $bench --limit 8 --max-tokens 64 --rounds 3 \
       --modes baseline mlx_lm chain-k2 chain-k3 chain-k4 chain-k6 chain-k8 --batch-sizes \
@@ -80,10 +82,11 @@ case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audi
   audit)
     # A 64-row job of the shipped model (bfloat16) in every mode (plain batching too), each folder audited against plain
     # decoding (python -m jobs audit): identical rows, near-ties, divergences -> h200-audit-MODE.json
-    for mode in baseline auto chain adaptive tree adaptive_tree paths; do
+    for mode in ${MODES:-baseline auto chain adaptive tree adaptive_tree paths}; do
       timeout "${LIMIT:-90}" python3 -m jobs generate --dataset examples/prompts.jsonl --model models/qwen3-next-tiny-stdlib \
         --output "/tmp/audit-$mode" --overwrite --limit 64 --max-tokens 96 --mode "$mode" 2>&1 | tail -1
-      timeout "${LIMIT:-90}" python3 -m jobs audit "/tmp/audit-$mode" --json "$out/$gpu-audit-$mode.json" | tail -1
+      timeout "${LIMIT:-90}" python3 -m jobs audit "/tmp/audit-$mode" --json "$out/$gpu-audit-$mode.json" \
+        | grep -v ": identical" | tee -a "$out/$gpu-audit.log" | tail -1
     done ;;
   job-80b|job-80b-b8|job-80b-sampled|job-80b-weak|job-80b-falling|job-80b-prefix)
     profile=0.93,0.82,0.64; args="--prompts 64 --batch-size 32"; rounds=1; modes="baseline auto"

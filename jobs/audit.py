@@ -20,6 +20,15 @@ dataset and settings (the manifest's), and each row is reported as
   near-tie), so plain batching parts from one-row decoding on its own; such
   a row tells nothing against speculation (in float32 the two agree: the
   test suite checks plain batching against one-row decoding);
+- **precision**: in bfloat16 or float16, a row still parted from both
+  where the model loaded in float32 decodes it in the job's own mode
+  (drafts, batch size) exactly as plain decoding in float32 does (the
+  speculation is exact on this row), and the stored token where it parts
+  is plain decoding's runner-up there: a verify forward over several
+  tokens or paths rounds its half-precision products otherwise than a
+  one-token forward, and an MoE route flipped upstream moves the logits
+  past the near-tie bound (the float32 model takes twice the weights'
+  memory);
 - **diverged**: anything else (exit status 1), including a sampled row that
   neither plain decoding nor plain batching gives (the exact sampler's
   draw is not classified further);
@@ -44,6 +53,7 @@ from jobs.prompts import Preparer, Request
 from jobs.readers import PromptSource
 from jobs.runner import scan_dataset
 from mtp_engine import MTPEngine
+from mtp_engine.backend import exact_float32
 from mtp_engine.decoder import Decoder
 from mtp_engine.modes import DecodeConfig
 from mtp_engine.sampling import top_logits
@@ -61,10 +71,11 @@ class RowAudit:
 
     id: str
     sample: int
-    verdict: str  # identical | near-tie | batched | diverged | not auditable
+    verdict: str  # identical | near-tie | batched | precision | diverged | not auditable
     position: int | None = None
     gap: float | None = None
     bound: float | None = None
+    rank: int | None = None  # the stored token's rank in plain decoding's logits there (1 = its own choice)
     note: str = ""
 
     def line(self) -> str:
@@ -85,15 +96,18 @@ class AuditReport:
     def summary(self) -> str:
         return (f"audited {len(self.audited)} of {self.rows} completed rows: {self.count('identical')} identical, "
                 f"{self.count('near-tie')} parted at a numerical near-tie, {self.count('batched')} as plain batching "
-                f"gives them, {self.count('diverged')} diverged, "
+                f"gives them, {self.count('precision')} exact in float32 (half-precision arithmetic), "
+                f"{self.count('diverged')} diverged, "
                 f"{self.count('not auditable')} not auditable")
 
 
 def audit_folder(folder: Path, sample: int | None = None, seed: int = 0, dataset: str | None = None,
-                 engine: MTPEngine | None = None, log=print) -> AuditReport:
+                 engine: MTPEngine | None = None, wide_engine: MTPEngine | None = None, log=print) -> AuditReport:
     """Audit ``sample`` rows (all when None) of a job folder, drawn with
     ``seed``; ``dataset`` replaces the manifest's path to the job's dataset
     (a folder read from another directory); ``log`` gets one line per row.
+    ``engine`` and ``wide_engine`` (the model in float32, for the precision
+    re-check) are loaded from the manifest's model when not given.
 
     Raises:
         OutputError: Not a job folder, or its dataset is not the one the
@@ -129,24 +143,53 @@ def audit_folder(folder: Path, sample: int | None = None, seed: int = 0, dataset
         log(result.line())
     recheck = [i for i, a in enumerate(report.audited) if a.verdict == "diverged" and lines[i]["id"] in requests]
     if recheck and config.batch_size > 1:
-        batched = plain_batching(engine, requests, [lines[i] for i in recheck], lines, config.batch_size)
+        batched = decode_rows(engine, requests, [lines[i] for i in recheck], lines,
+                              DecodeConfig(mode="baseline", batch_size=config.batch_size))
         for i, text in zip(recheck, batched):
             if text == (lines[i]["completion"] or ""):
                 a = report.audited[i]
                 a.verdict, a.note = "batched", f"plain batching at B={config.batch_size} gives it"
                 log("re-checked: " + a.line())
+    if dtype != mx.float32 and any(report.audited[i].verdict == "diverged" and report.audited[i].rank == 2
+                                   for i in recheck):
+        wide = wide_engine or MTPEngine.load((manifest.get("model") or {}).get("path") or config.model,
+                                             dtype="float32", options=config.engine_options())
+        recheck_in_float32(wide, config, requests, lines, report.audited, log)
     return report
 
 
-def plain_batching(engine: MTPEngine, requests: dict[str, Request], rows: list[dict], others: list[dict],
-                   batch_size: int) -> list[str]:
-    """Plain batching's text for each of ``rows``, decoded ``batch_size`` at
-    a time without drafts, with enough of ``others`` (the sample's other
-    rows, decoded alike and not returned) that they start among as many rows
-    as in the job."""
+def recheck_in_float32(wide: MTPEngine, config: JobConfig, requests: dict[str, Request], rows: list[dict],
+                       audits: list[RowAudit], log=print) -> None:
+    """Turn each "diverged" half-precision row whose stored token is plain
+    decoding's runner-up where they part into "precision" when ``wide``
+    (the model in float32) decodes the row in the job's own mode and batch
+    size as plain decoding in float32 does (up to a float32 near-tie)."""
+    recheck = [i for i, a in enumerate(audits) if a.verdict == "diverged" and a.rank == 2 and rows[i]["id"] in requests]
+    if not recheck:
+        return
+    exact = decode_rows(wide, requests, [rows[i] for i in recheck], rows, config.decode_config())
+    for i, text in zip(recheck, exact):
+        row, a = rows[i], audits[i]
+        check = audit_row(wide, requests[row["id"]], {**row, "completion": text}, mx.float32)
+        if check.verdict in ("identical", "near-tie"):
+            a.verdict = "precision"
+            a.note = (f"in float32 {config.mode} at B={config.batch_size} decodes it as plain decoding does"
+                      f"{' up to a near-tie' if check.verdict == 'near-tie' else ''}; the stored token is plain "
+                      "decoding's runner-up")
+        else:
+            a.note = f"in float32 too: {check.line()}"
+        log("re-checked in float32: " + a.line())
+
+
+def decode_rows(engine: MTPEngine, requests: dict[str, Request], rows: list[dict], others: list[dict],
+                decode: DecodeConfig) -> list[str]:
+    """The text ``decode`` gives each of ``rows`` (plain batching, or the
+    job's own mode), ``decode.batch_size`` rows at a time, with enough of
+    ``others`` (the sample's other rows, decoded alike and not returned)
+    that they start among as many rows as in the job."""
     fill = [r for r in others if r not in rows]
-    order = list(rows) + fill[: max(0, batch_size - len(rows))]
-    decoder = Decoder(engine, DecodeConfig(mode="baseline", batch_size=batch_size))
+    order = list(rows) + fill[: max(0, decode.batch_size - len(rows))]
+    decoder = Decoder(engine, decode)
     for n, row in enumerate(order):
         req = requests[row["id"]]
         decoder.add(n, req.prompt_ids, [req.sample_params(row["sample"])], max_tokens=req.max_tokens,
@@ -203,7 +246,8 @@ def audit_row(engine: MTPEngine, req: Request, row: dict, dtype) -> RowAudit:
         return RowAudit(rid, j, "diverged", position=i, bound=bound,
                         note="the stored token is not among plain decoding's top 4 there")
     gap = mine[tokens[i]] - mine[other]
-    return RowAudit(rid, j, "near-tie" if gap < bound else "diverged", position=i, gap=gap, bound=bound)
+    rank = 1 + [t for t, _ in here].index(other)
+    return RowAudit(rid, j, "near-tie" if gap < bound else "diverged", position=i, gap=gap, bound=bound, rank=rank)
 
 
 def _first_tops(engine: MTPEngine, prompt: list[int]) -> list[tuple[int, float]]:
@@ -217,6 +261,7 @@ def run_audit(folder: Path, sample: int | None, seed: int, dataset: str | None, 
     """The ``audit`` command: 0 when no row diverged for real, else 1
     (``json_path``: the report as JSON too)."""
     stream = stream or sys.stdout
+    exact_float32()  # the float32 re-check, on CUDA
     if sample is not None and sample < 1:
         print(f"error: --sample must be at least 1, got {sample}", file=sys.stderr)
         return 2

@@ -138,12 +138,13 @@ def run_once(engine, dataset: str, model: str, output: Path, mode: str, temperat
         make_drafter = projecting(engine, args.acceptance_profile, references, greedy=temperature == 0,
                                   later=args.profile_after)
     log = io.StringIO()
-    grammars = engine.grammars  # constrained rows' masks: how many, and their host seconds
-    masks_before = (grammars.masks_made, grammars.mask_s)
+    # constrained rows' masks: how many, and their host seconds (llguidance is loaded only for constrained modes)
+    grammars = engine.grammars if _constraint(mode) else None
+    masks_before = (grammars.masks_made, grammars.mask_s) if grammars else (0, 0.0)
     start = time.perf_counter()
     summary = run_job(config, engine=engine, stream=log, make_drafter=make_drafter)
     wall = time.perf_counter() - start
-    masks = (grammars.masks_made - masks_before[0], grammars.mask_s - masks_before[1])
+    masks = (grammars.masks_made - masks_before[0], grammars.mask_s - masks_before[1]) if grammars else (0, 0.0)
     rows = datasets.load_from_disk(str(output))
     depths = [0] * (config.draft_tokens + 1)
     prefill = sum((a or {}).get("prefill_s") or 0 for a in rows["acceptance"])  # prompts prefill one at a time

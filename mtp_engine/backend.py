@@ -11,6 +11,10 @@ CUDNN_ATTENTION = "MLX_CUDA_USE_CUDNN_SDPA"
 """MLX's own switch for cuDNN attention on CUDA, which `apply_process_settings`
 sets from `EngineOptions.cudnn_attention` unless the user set it."""
 
+TF32 = "MLX_ENABLE_TF32"
+"""MLX's own switch (default on) for computing float32 matrix products on
+CUDA through TF32, a 10-bit mantissa (docs/BACKENDS.md)."""
+
 
 def is_cuda_backend() -> bool:
     """Whether MLX computes on its CUDA backend (the default device is a GPU
@@ -46,3 +50,10 @@ def apply_process_settings(options) -> None:
     """Settings MLX reads from the environment once, before its first kernel:
     cuDNN attention on CUDA (a value the user exported is kept)."""
     os.environ.setdefault(CUDNN_ATTENTION, "1" if options.cudnn_attention else "0")
+
+
+def exact_float32() -> None:
+    """Have MLX's CUDA backend compute float32 products in float32, not TF32
+    (a value the user exported is kept), before the process's first float32
+    product: comparisons of float32 decodings (`jobs audit`) need it."""
+    os.environ.setdefault(TF32, "0")

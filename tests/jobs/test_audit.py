@@ -101,4 +101,39 @@ def test_a_row_plain_batching_gives_is_not_a_divergence(tmp_path, job_model, job
     assert report.count("batched") == 6 and report.count("diverged") == 0
     assert all("plain batching at B=3 gives it" in a.note for a in report.audited)
     assert audit.run_audit(out, None, 0, None) == 0
-    assert "6 as plain batching gives them, 0 diverged" in capsys.readouterr().out
+    assert "6 as plain batching gives them, 0 exact in float32 (half-precision arithmetic), 0 diverged" in \
+        capsys.readouterr().out
+
+
+def test_a_half_precision_divergence_the_mode_decodes_exactly_in_float32_is_told_apart(tmp_path, job_model,
+                                                                                      job_engine):
+    # A bfloat16 row parted from plain decoding past the near-tie bound (made
+    # here: plain decoding's runner-up at a wide gap, judged at bfloat16's
+    # bound) is re-decoded in the job's own mode and batch size in float32
+    # (this CPU's model, run for real); where that equals plain decoding the
+    # row is "precision". A stored token outside plain decoding's top two
+    # stays "diverged".
+    from jobs.audit import _requests, recheck_in_float32
+    from jobs.config import JobConfig
+    from jobs.output import read_manifest
+    from jobs.readers import PromptSource
+
+    out = job(tmp_path, job_model, job_engine, mode="chain", draft_tokens=3)
+    config = JobConfig.from_sources(read_manifest(out)["config"], {}).resolved()
+    requests = _requests(config, job_engine, PromptSource(config.dataset), {f"row-{i}" for i in range(6)}, 2)
+    rows, audits = [], []
+    for rid, req in sorted(requests.items())[:4]:
+        plain = job_engine.generate(req.prompt_ids, mode="baseline", max_tokens=req.max_tokens, trace=True)
+        tops = engine_tops(plain.trace)
+        i = next(i for i, t in enumerate(tops) if t is not None and i < len(plain.tokens)
+                 and t[0][1] - t[1][1] > 4 * near_tie_bound(t[0][1], mx.bfloat16, 4.0))
+        pick = tops[i][1][0] if len(rows) % 2 == 0 else tops[i][3][0]  # runner-up, or fourth
+        row = {"id": rid, "sample": 0, "completion": job_engine.tokenizer.decode(plain.tokens[:i] + [pick])}
+        audit = audit_row(job_engine, req, row, mx.bfloat16)
+        assert (audit.verdict, audit.rank) == ("diverged", 2 if len(rows) % 2 == 0 else 4)
+        rows.append(row)
+        audits.append(audit)
+    lines = []
+    recheck_in_float32(job_engine, config, requests, rows, audits, log=lines.append)
+    assert [a.verdict for a in audits] == ["precision", "diverged"] * 2 and len(lines) == 2
+    assert all("in float32 chain at B=3 decodes it as plain decoding does" in a.note for a in audits[::2])
