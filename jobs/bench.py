@@ -164,7 +164,8 @@ def run_once(engine, dataset: str, model: str, output: Path, mode: str, temperat
             "token_ids": {r["id"]: r.get("token_ids") for r in rows},
             "depths": depths if name == "auto" else None,
             "acceptance_length": round((accepted + steps) / steps, 3) if steps else None,
-            "masks": masks[0], "mask_us_per_token": round(masks[1] / summary.tokens * 1e6, 1) if masks[0] else None}
+            "masks": masks[0], "mask_us_per_token": round(masks[1] / summary.tokens * 1e6, 1) if masks[0] else None,
+            "interrupted": summary.interrupted}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         other = [m for m in args.modes if mode_spec(m)[0] not in ("baseline", "chain", "auto")]
         if other:
             p.error(f"--acceptance-profile projects chain drafts: modes baseline, chain and auto, not {other[0]}")
-    runs = []
+    runs, stopped = [], None
     with tempfile.TemporaryDirectory() as tmp:
         if args.synthetic:
             engine, args.model, args.dataset = synthetic_job(args.synthetic, Path(tmp), args.prompts,
@@ -220,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in order:
                     out = Path(tmp) / f"{mode}-{temperature}-{r}"
                     run = run_once(engine, args.dataset, args.model, out, mode, temperature, args, references)
+                    if run["interrupted"]:  # a stopped job's figures are not a run's: report the runs before it
+                        stopped = f"stopped by {run['interrupted']} during T={temperature} round {r + 1} {mode}"
+                        print(stopped, file=sys.stderr, flush=True)
+                        break
                     if args.acceptance_profile and references is None:
                         references = run["token_ids"]  # the first baseline run's tokens
                     run["round"] = r
@@ -232,13 +237,21 @@ def main(argv: list[str] | None = None) -> int:
                              if run["masks"] else "") + ")"
                           + (f"\n  {run['controller']}" if run["controller"] else "")
                           + (f"\n  {run['prefixes']}" if run["prefixes"] else ""), file=sys.stderr, flush=True)
+                if stopped:
+                    break
+            if stopped:
+                break
     summary = []
     for temperature in args.temperatures:
         here = [run for run in runs if run["temperature"] == temperature]
         reference = [run for run in here if run["mode"] == args.modes[0]]
+        if not reference:
+            continue
         ref_rate = statistics.mean(run["tok_s"] for run in reference)
         for mode in args.modes:
             mine = [run for run in here if run["mode"] == mode]
+            if not mine:
+                continue
             rate = statistics.mean(run["tok_s"] for run in mine)
             # rows are compared with the first mode's, or with the first mode's of the same constraint
             twin = next(m for m in args.modes if _constraint(m) == _constraint(mode))
@@ -265,11 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     report = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "device": str(mx.default_device()),
               "model": f"synthetic {args.synthetic} (random 4-bit weights)" if args.synthetic else args.model,
               "acceptance": label or "measured",
-              "settings": {k: v for k, v in vars(args).items() if k != "json"}, "summary": summary,
+              "settings": {k: v for k, v in vars(args).items() if k != "json"}, "summary": summary, "stopped": stopped,
               "runs": [{k: v for k, v in run.items() if k not in ("completions", "token_ids")} for run in runs]}
     if args.json:
         Path(args.json).write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
-    return 0 if all(s["same_completions"] for s in summary) else 1
+    return 1 if stopped or not all(s["same_completions"] for s in summary) else 0
 
 
 if __name__ == "__main__":
