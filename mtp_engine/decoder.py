@@ -99,12 +99,19 @@ class Decoder:
         hooks: `Hooks` to call at each phase (benchmarks), or None.
         drafter: A drafter object to use instead of the one ``decode``
             names (benchmarks wrap one: `mtp_engine.tools.projection`).
+        buckets: Whether finished rows keep their places down to a bucket
+            of rows (`buckets`). Default: on a GPU, where each new step
+            shape has a first-use cost; on the CPU a new shape costs nothing
+            and a kept place costs its share of every step (batched chains
+            10% slower at B=32 there: docs/BENCHMARKS.md), so rows leave at
+            once.
 
     Use `add` to queue prompts and call `step` until `pending` is 0; each
     step returns the ``((key, sample), result)`` pairs that finished.
     """
 
-    def __init__(self, engine, decode: DecodeConfig, hooks: Hooks | None = None, drafter=None):
+    def __init__(self, engine, decode: DecodeConfig, hooks: Hooks | None = None, drafter=None,
+                 buckets: bool | None = None):
         self.engine = engine
         self.decode = decode
         self.k = decode.draft_tokens if decode.speculative else 0
@@ -122,7 +129,10 @@ class Decoder:
         self._plain_steps = 0
         self._ended: float | None = None  # when the last step ended (mode "auto": step costs)
         size = decode.batch_size
-        self.buckets = sorted({1 << i for i in range(size.bit_length()) if 1 << i < size} | {size})
+        if buckets is None:
+            buckets = mx.default_device() == mx.gpu
+        self.buckets = (sorted({1 << i for i in range(size.bit_length()) if 1 << i < size} | {size}) if buckets
+                        else list(range(1, size + 1)))
 
     @property
     def pending(self) -> int:
@@ -186,7 +196,7 @@ class Decoder:
         depths = [d for d in uses for _ in range(3 if d == 0 else 2)]  # a plain step's cost counts from its third
         shapes = set()
         for size in self.buckets:
-            warm = Decoder(self.engine, replace(self.decode, batch_size=size))
+            warm = Decoder(self.engine, replace(self.decode, batch_size=size), buckets=True)
             warm.add(None, prompt, [sampling] * size, max_tokens=sum(depths) + len(depths) + 1)
             for depth in depths:
                 if warm.step(depth) or not warm.live:

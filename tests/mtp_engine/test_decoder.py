@@ -111,7 +111,8 @@ def test_every_row_equals_plain_decoding_of_its_prompt_alone(models, name, batch
     if drafter == "cpp" and engine.drafters.cpp is None:
         pytest.skip("needs the C++ drafter")
     rows = rows_for(engine, reference)
-    decoder = Decoder(engine, DecodeConfig(mode=mode, draft_tokens=k, batch_size=batch, drafter=drafter))
+    # buckets: finished rows keep their places (ghosts stepping beside live rows), as on a GPU
+    decoder = Decoder(engine, DecodeConfig(mode=mode, draft_tokens=k, batch_size=batch, drafter=drafter), buckets=True)
     for i, row in enumerate(rows):
         decoder.add(i, row["ids"], [GREEDY], max_tokens=row["max_tokens"], stop=row["stop"])
     results, sizes = {}, set()
@@ -143,7 +144,7 @@ def test_warm_up_meets_every_step_shape_of_the_job_and_changes_no_token(models, 
     meets no verify shape the warm-up did not, and its rows are plain
     decoding's."""
     engine, reference = models["l4_fai4_kv2_e4k2"]
-    decoder = Decoder(engine, DecodeConfig(mode="auto", draft_tokens=3, batch_size=6))
+    decoder = Decoder(engine, DecodeConfig(mode="auto", draft_tokens=3, batch_size=6), buckets=True)
     seconds, shapes = decoder.warm_up(GREEDY)
     assert decoder.buckets == [1, 2, 4, 6] and shapes == 4 * 4 and seconds > 0 and not decoder.rows
     measured = {shape for shape, (_, recent) in decoder.controller.costs.items() if recent}
