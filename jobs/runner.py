@@ -622,12 +622,15 @@ def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lamb
     a whole batch fails, its rows are redone in batches of their own, and
     after `BATCH_FAILURES_BEFORE_FALLBACK` such failures in a row every
     prompt is."""
-    decoder = Decoder(engine, config.decode_config(), drafter=make_drafter() if make_drafter else None)
+    warm = config.warm_up or (config.warm_up is None and mx.default_device() != mx.cpu)
+    # a warm-up meets the step shapes of row-count buckets (finished rows keep their places down to one)
+    decoder = Decoder(engine, config.decode_config(), drafter=make_drafter() if make_drafter else None,
+                      buckets=warm)
     prefixes = None
     if config.prefix_sharing:
         budget = int(config.prefix_cache_gb * 2**30) if config.prefix_cache_gb else default_budget_bytes()
         prefixes = PrefixCache(engine, config.prefix_min_tokens, budget, log=log or (lambda m: None))
-    if config.warm_up or (config.warm_up is None and mx.default_device() != mx.cpu):
+    if warm:
         sampling = config.sampling()
         seconds, shapes = decoder.warm_up(sampling if sampling.greedy else replace(sampling, seed=0))
         warmed(seconds)

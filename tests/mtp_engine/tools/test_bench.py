@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import mlx.core as mx
 import pytest
 
 from mtp_engine import MTPEngine
@@ -255,11 +256,12 @@ def test_interleaved_rounds_draw_acceptances_of_their_own(tiny_engine):
 
 def test_warm_up_meets_every_verify_shape_of_a_batched_tail(tiny_engine, monkeypatch):
     # A timed batched chain's rows finish at different steps, so its verify
-    # forwards meet [rows, K+1] for every bucket of rows from B down (finished
-    # rows keep their places down to a bucket); on CUDA each shape costs far
-    # more the first time it is met. The warm-up meets all of them (plain
-    # batching's [rows, 1] and mode auto's every width) before anything is
-    # timed, and no other row count.
+    # forwards meet [rows, K+1] for every bucket of rows from B down (on a
+    # GPU finished rows keep their places down to a power of two, and each
+    # shape costs far more the first time it is met; on the CPU every row
+    # count is a bucket). The warm-up meets all of them (plain batching's
+    # [rows, 1] and mode auto's every width) before anything is timed, and
+    # no other row count.
     from mtp_engine import decoder
     from mtp_engine.tools.dataset_bench import warm_up
 
@@ -278,5 +280,7 @@ def test_warm_up_meets_every_verify_shape_of_a_batched_tail(tiny_engine, monkeyp
     monkeypatch.setattr(decoder.Decoder, "_plain_step", recording_plain)
     prompts = [list(range(3 + i, 20 + 3 * i)) for i in range(3)]
     warm_up(tiny_engine, prompts, [6], [2, 3], [], profile=(0.6,))
-    assert {(rows, width) for rows in (1, 2, 4, 6) for width in (1, 2, 3, 4)} <= shapes, sorted(shapes)
-    assert {rows for rows, _ in shapes} == {1, 2, 4, 6}
+    buckets = decoder.Decoder(tiny_engine, decoder.DecodeConfig(batch_size=6)).buckets
+    assert buckets == ([1, 2, 4, 6] if mx.default_device() == mx.gpu else [1, 2, 3, 4, 5, 6])
+    assert {(rows, width) for rows in buckets for width in (1, 2, 3, 4)} <= shapes, sorted(shapes)
+    assert {rows for rows, _ in shapes} == set(buckets)
