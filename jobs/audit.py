@@ -150,21 +150,26 @@ def audit_folder(folder: Path, sample: int | None = None, seed: int = 0, dataset
                 a = report.audited[i]
                 a.verdict, a.note = "batched", f"plain batching at B={config.batch_size} gives it"
                 log("re-checked: " + a.line())
-    if dtype != mx.float32 and any(report.audited[i].verdict == "diverged" and report.audited[i].rank == 2
-                                   for i in recheck):
+    if dtype != mx.float32 and _runners_up(report.audited, lines, requests):
         wide = wide_engine or MTPEngine.load((manifest.get("model") or {}).get("path") or config.model,
                                              dtype="float32", options=config.engine_options())
         recheck_in_float32(wide, config, requests, lines, report.audited, log)
     return report
 
 
+def _runners_up(audits: list[RowAudit], rows: list[dict], requests: dict[str, Request]) -> list[int]:
+    """The "diverged" rows whose stored token is plain decoding's runner-up
+    where they part (the precision re-check's rows)."""
+    return [i for i, a in enumerate(audits) if a.verdict == "diverged" and a.rank == 2 and rows[i]["id"] in requests]
+
+
 def recheck_in_float32(wide: MTPEngine, config: JobConfig, requests: dict[str, Request], rows: list[dict],
                        audits: list[RowAudit], log=print) -> None:
-    """Turn each "diverged" half-precision row whose stored token is plain
-    decoding's runner-up where they part into "precision" when ``wide``
-    (the model in float32) decodes the row in the job's own mode and batch
-    size as plain decoding in float32 does (up to a float32 near-tie)."""
-    recheck = [i for i, a in enumerate(audits) if a.verdict == "diverged" and a.rank == 2 and rows[i]["id"] in requests]
+    """Turn each of `_runners_up` (half-precision rows) into "precision"
+    when ``wide`` (the model in float32) decodes the row in the job's own
+    mode and batch size as plain decoding in float32 does (up to a float32
+    near-tie)."""
+    recheck = _runners_up(audits, rows, requests)
     if not recheck:
         return
     # the MLX head drafts: it runs on every backend and dtype, and a drafter changes speed, never tokens

@@ -214,33 +214,28 @@ def main(argv: list[str] | None = None) -> int:
                                                              args.prompt_tokens, args.seed, args.shared_prefix)
         else:
             engine = MTPEngine.load(args.model)
-        for temperature in args.temperatures:
-            references = None
-            for r in range(args.rounds):
-                order = args.modes[r % len(args.modes):] + args.modes[: r % len(args.modes)]
-                for mode in order:
-                    out = Path(tmp) / f"{mode}-{temperature}-{r}"
-                    run = run_once(engine, args.dataset, args.model, out, mode, temperature, args, references)
-                    if run["interrupted"]:  # a stopped job's figures are not a run's: report the runs before it
-                        stopped = f"stopped by {run['interrupted']} during T={temperature} round {r + 1} {mode}"
-                        print(stopped, file=sys.stderr, flush=True)
-                        break
-                    if args.acceptance_profile and references is None:
-                        references = run["token_ids"]  # the first baseline run's tokens
-                    run["round"] = r
-                    runs.append(run)
-                    print(f"T={temperature} round {r + 1}/{args.rounds} {mode}: {run['tok_s']} tok/s "
-                          f"({run['tokens']} tokens, {run['wall_s']} s"
-                          + (f", warm-up {run['warmup_s']} s" if run["warmup_s"] else "")
-                          + f", {run['decode_tok_s']} tok/s without prefill, acceptance length {run['acceptance_length']}"
-                          + (f", {run['masks']} masks, {run['mask_us_per_token']} us of masks per token"
-                             if run["masks"] else "") + ")"
-                          + (f"\n  {run['controller']}" if run["controller"] else "")
-                          + (f"\n  {run['prefixes']}" if run["prefixes"] else ""), file=sys.stderr, flush=True)
-                if stopped:
-                    break
-            if stopped:
+        references = {}  # per temperature: the first baseline run's tokens, which projected drafts follow
+        schedule = [(temperature, r, mode) for temperature in args.temperatures for r in range(args.rounds)
+                    for mode in args.modes[r % len(args.modes):] + args.modes[: r % len(args.modes)]]
+        for temperature, r, mode in schedule:
+            out = Path(tmp) / f"{mode}-{temperature}-{r}"
+            run = run_once(engine, args.dataset, args.model, out, mode, temperature, args, references.get(temperature))
+            if run["interrupted"]:  # a stopped job's figures are not a run's: report the runs before it
+                stopped = f"stopped by {run['interrupted']} during T={temperature} round {r + 1} {mode}"
+                print(stopped, file=sys.stderr, flush=True)
                 break
+            if args.acceptance_profile:
+                references.setdefault(temperature, run["token_ids"])
+            run["round"] = r
+            runs.append(run)
+            print(f"T={temperature} round {r + 1}/{args.rounds} {mode}: {run['tok_s']} tok/s "
+                  f"({run['tokens']} tokens, {run['wall_s']} s"
+                  + (f", warm-up {run['warmup_s']} s" if run["warmup_s"] else "")
+                  + f", {run['decode_tok_s']} tok/s without prefill, acceptance length {run['acceptance_length']}"
+                  + (f", {run['masks']} masks, {run['mask_us_per_token']} us of masks per token"
+                     if run["masks"] else "") + ")"
+                  + (f"\n  {run['controller']}" if run["controller"] else "")
+                  + (f"\n  {run['prefixes']}" if run["prefixes"] else ""), file=sys.stderr, flush=True)
     summary = []
     for temperature in args.temperatures:
         here = [run for run in runs if run["temperature"] == temperature]

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-# The tests compare float32 decodings within 1e-4: on CUDA, MLX computes float32 products through TF32 (a
-# 10-bit mantissa) unless told not to (docs/BACKENDS.md).
-os.environ.setdefault("MLX_ENABLE_TF32", "0")
+import mtp_engine  # noqa: F401  (first: it routes MLX's CPU matmuls before MLX loads)
+from mtp_engine.backend import exact_float32
 
-import mtp_engine  # noqa: E402,F401  (first: it routes MLX's CPU matmuls before MLX loads)
+# The tests compare float32 decodings within 1e-4: on CUDA, MLX computes float32 products through TF32 (a
+# 10-bit mantissa) unless told not to (docs/BACKENDS.md). Before MLX loads.
+exact_float32()
 
 # isort: split
 import mlx.core as mx
