@@ -34,6 +34,13 @@ dataset and settings (the manifest's), and each row is reported as
   draw is not classified further);
 - **not auditable**: rows of the rejection sampler, whose tokens depend on
   the draft depth by design.
+
+Where they part is found from the token ids where the folder has them (a
+job run with ``--logprobs``), else from the text: the first of plain
+decoding's tokens whose text the stored completion does not continue. Text
+alone can place it late, where two tokenizations of the same characters
+(one whitespace token or two) meet a later token that tells them apart;
+there the stored token may not be among plain decoding's top 4.
 """
 
 from __future__ import annotations
@@ -123,8 +130,9 @@ def audit_folder(folder: Path, sample: int | None = None, seed: int = 0, dataset
         table = datasets.load_from_disk(str(folder))
     except (FileNotFoundError, ValueError) as e:
         raise OutputError(f"{folder} has no readable rows ({e}); run `python -m jobs status {folder}`") from None
-    done = [r for r in table.select_columns(["id", "sample", "completion", "finish_reason"]).to_list()
-            if r["finish_reason"] != "error"]
+    columns = ["id", "sample", "completion", "finish_reason"]
+    columns += ["token_ids"] if "token_ids" in table.column_names else []
+    done = [r for r in table.select_columns(columns).to_list() if r["finish_reason"] != "error"]
     rows = done
     if sample is not None and sample < len(done):  # a sample, in the folder's order
         rows = [done[i] for i in sorted(random.Random(seed).sample(range(len(done)), sample))]
@@ -176,7 +184,8 @@ def recheck_in_float32(wide: MTPEngine, config: JobConfig, requests: dict[str, R
     exact = decode_rows(wide, requests, [rows[i] for i in recheck], rows, replace(config.decode_config(), drafter="mlx"))
     for i, text in zip(recheck, exact):
         row, a = rows[i], audits[i]
-        check = audit_row(wide, requests[row["id"]], {**row, "completion": text}, mx.float32)
+        row = {**row, "completion": text, "token_ids": None}  # the float32 decoding's text, not the stored ids
+        check = audit_row(wide, requests[row["id"]], row, mx.float32)
         if check.verdict in ("identical", "near-tie"):
             a.verdict = "precision"
             a.note = (f"in float32 {config.mode} at B={config.batch_size} decodes it as plain decoding does"
@@ -225,7 +234,8 @@ def _requests(config: JobConfig, engine: MTPEngine, source: PromptSource, wanted
 
 
 def audit_row(engine: MTPEngine, req: Request, row: dict, dtype) -> RowAudit:
-    """One stored row against plain decoding of its request."""
+    """One stored row against plain decoding of its request (by its token
+    ids where it keeps them, else by its text)."""
     params = req.sample_params(row["sample"])
     rid, j = row["id"], row["sample"]
     if not params.greedy and params.sampler == "rejection":
@@ -235,18 +245,24 @@ def audit_row(engine: MTPEngine, req: Request, row: dict, dtype) -> RowAudit:
     stored = row["completion"] or ""
     if plain.text == stored:
         return RowAudit(rid, j, "identical")
-    tokenizer = engine.tokenizer
-    text = lambda ids: tokenizer.decode(ids)  # noqa: E731
+    tokens, ids = plain.tokens, row.get("token_ids")
+    text = lambda ids: engine.tokenizer.decode(ids)  # noqa: E731
     fits = lambda s: stored.startswith(s) or s.startswith(stored)  # noqa: E731  (one ends where the other goes on)
-    tokens = plain.tokens
-    i = next((i for i in range(len(tokens)) if not fits(text(tokens[: i + 1]))), len(tokens))
-    if not params.greedy or i == len(tokens):
-        note = "sampled rows are not classified" if not params.greedy else "plain decoding ended first"
+    if ids is not None:  # the first id that differs
+        i = next((i for i, (a, b) in enumerate(zip(tokens, ids)) if a != b), min(len(tokens), len(ids)))
+    else:  # the first of plain decoding's tokens the stored text does not continue
+        i = next((i for i in range(len(tokens)) if not fits(text(tokens[: i + 1]))), len(tokens))
+    if not params.greedy or i == len(tokens) or ids is not None and i == len(ids):
+        note = ("sampled rows are not classified" if not params.greedy else
+                "plain decoding ended first" if i == len(tokens) else "the stored row ended first")
         return RowAudit(rid, j, "diverged", position=i, note=note)
     tops = engine_tops(plain.trace)
     here = tops[i] if i < len(tops) and tops[i] is not None else _first_tops(engine, req.prompt_ids)
     mine = dict(here)
-    other = next((t for t, _ in here if t != tokens[i] and fits(text(tokens[:i] + [t]))), None)
+    if ids is not None:
+        other = ids[i] if ids[i] in mine else None
+    else:  # a token of plain decoding's top 4 that the stored text continues
+        other = next((t for t, _ in here if t != tokens[i] and fits(text(tokens[:i] + [t]))), None)
     bound = near_tie_bound(here[0][1], dtype, HALF_ULPS)
     if other is None:
         return RowAudit(rid, j, "diverged", position=i, bound=bound,

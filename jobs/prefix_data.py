@@ -25,13 +25,13 @@ WORDS = ("the of and to in is for that with as on by this be are from or at an i
 
 
 def _text(rng: random.Random, length: int, count) -> str:
-    """Words until ``count(text)`` reaches ``length``."""
-    words: list[str] = []
-    while True:
-        words += rng.choices(WORDS, k=max(1, length - count(" ".join(words))))
-        text = " ".join(words)
-        if count(text) >= length:
-            return text
+    """Words until ``count(text)`` reaches ``length`` (each draw 90% of the
+    words the tokens still missing take at the tokens per word so far, so a
+    tokenizer that splits words does not overshoot)."""
+    words = rng.choices(WORDS, k=1)
+    while (have := count(" ".join(words))) < length:
+        words += rng.choices(WORDS, k=max(1, int(0.9 * (length - have) * len(words) / max(have, 1))))
+    return " ".join(words)
 
 
 def make_rows(rows: int, prefix_tokens: int, suffix_tokens: tuple[int, int], prefixes: int = 1, seed: int = 0,

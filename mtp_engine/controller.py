@@ -35,10 +35,13 @@ of plain steps (`PLAIN_RUN` at first) a speculative step consumes them and
 measures acceptance again, so a batch whose drafts start to pay is noticed.
 Each such probe after which plain steps still pay doubles the run (up to
 `MAX_PLAIN_RUN`), so a job whose drafts never pay probes rarely; a depth
-chosen on its own figures resets it. After such a probe, no probe is taken
-while the costs say that even drafts all accepted could not pay (`HOPELESS`: a step of ``d``
-drafts emits at most ``d + 1`` tokens), as on a CPU whose sampled steps of
-one draft cost three plain ones. Every `EXPLORE_EVERY` speculative
+chosen on its own figures resets it. Once a probe has found plain steps
+still pay and the costs say that even drafts all accepted could not pay
+(`HOPELESS`: a step of ``d`` drafts emits at most ``d + 1`` tokens), as on a
+CPU whose sampled steps of one draft cost three plain ones, it *settles*:
+every later step is plain, and the decoder stops feeding the head (which
+would otherwise consume every prompt and token for drafts never taken).
+Every `EXPLORE_EVERY` speculative
 steps it takes the depth one above or below its best instead (alternately)
 where that looks at least `EXPLORE_MARGIN` as good, so an estimate met
 once (a slow second use of a shape, a position's early misses) is
@@ -119,6 +122,7 @@ class Controller:
     probing: bool = False
     chosen: list[int] = field(default_factory=list)  # steps that chose each depth 0..k
     speculative: int = 0  # speculative steps chosen on their own figures
+    settled: bool = False  # drafts cannot pay here: every step from now on is plain
 
     def __post_init__(self):
         self.tried = [0.0] * (self.k + 1)
@@ -191,7 +195,7 @@ class Controller:
         token budgets (tokens each may still emit), in a step of ``places``
         rows (default: these; more where finished rows keep their places)."""
         deepest = min(self.k, max(budgets) - 1)
-        if deepest < 1:
+        if deepest < 1 or self.settled:
             return self._chose(0)
         costs = [self.cost(places or len(rows), d + 1) for d in range(deepest + 1)]
         for d in (0, 1):  # plain steps and one draft are measured first
@@ -219,7 +223,7 @@ class Controller:
             perfect = max(sum(min(d, b - 1) + 1 for b in budgets) / costs[d] for d in candidates[1:])
             if self.plain_limit > PLAIN_RUN and perfect < HOPELESS * value(0):  # a probe said plain, and no
                 # acceptance could pay: nothing to measure
-                self.plain_run = 0
+                self.settled = True
             else:
                 self.probing = True
                 best = max(candidates[1:], key=value)
@@ -242,8 +246,10 @@ class Controller:
         shapes = sorted({b for b, _ in self.costs})
         costs = "; ".join(f"{b} rows " + "/".join(f"{c * 1e3:.1f}" if (c := self._mean(b, w)) is not None else "-"
                                                   for w in range(1, self.k + 2)) for b in shapes)
-        return (f"auto: steps by drafts (0..{self.k}) {'/'.join(map(str, self.chosen))}; acceptance by position "
-                f"{'/'.join(f'{self.rate(j):.2f}' for j in k)}; step ms by width (1..{self.k + 1}): {costs or '-'}")
+        settled = "; settled on plain steps (drafts could not pay)" if self.settled else ""
+        return (f"auto: steps by drafts (0..{self.k}) {'/'.join(map(str, self.chosen))}{settled}; "
+                f"acceptance by position {'/'.join(f'{self.rate(j):.2f}' for j in k)}; "
+                f"step ms by width (1..{self.k + 1}): {costs or '-'}")
 
     # -- measuring ------------------------------------------------------------
 

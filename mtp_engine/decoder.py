@@ -20,7 +20,9 @@ In mode "baseline" a step is plain decoding, one token per row, pipelined as
 mlx-lm's ``generate_step``: the next forward is dispatched before this
 step's tokens are read back. In mode "auto" the controller
 (`mtp_engine.controller`) chooses before every step how many drafts it
-verifies, 0 making it such a plain step. Every row's tokens equal plain
+verifies, 0 making it such a plain step; once it settles on plain steps
+(drafts could not pay on this machine) the head stops following the rows
+and the decoder runs as plain batching. Every row's tokens equal plain
 decoding of its prompt alone: rows never see each other's entries.
 """
 
@@ -118,6 +120,7 @@ class Decoder:
         self.hooks = hooks or Hooks()
         self.drafter = drafter
         self._own_drafter = drafter is None
+        self._head_off = False  # mode "auto" settled on plain steps: no head follows the rows
         self.caches = make_batch_cache(engine.model)
         self.rows: list[_Row] = []
         self.queue: list[_Queued] = []
@@ -233,6 +236,8 @@ class Decoder:
         if depth is None and self.controller is not None:
             live = [r for r in self.rows if not r.ghost]
             depth = self.controller.choose([r.acceptance for r in live], [r.budget for r in live], len(self.rows))
+            if self.controller.settled and self._own_drafter and not self._head_off:
+                self._drop_head()
         elif depth is None:
             depth = self.k
         if depth:  # no more drafts than any row may still use
@@ -317,7 +322,7 @@ class Decoder:
         host = mx.array([[r.x] for r in rows], dtype=mx.int32)
         xs = host if self._ahead is None else mx.where(mx.array(self._fed)[:, None], self._ahead, host)
         positions = mx.array([[len(r.finisher.tokens) + fed] for r, fed in zip(rows, self._fed)], dtype=mx.int32)
-        if self.controller is None:
+        if self.controller is None or self.drafter is None:
             hidden, logits = None, self.engine.model(xs, cache=self.caches)[:, -1:, :]
         else:  # the head consumes the pairs (hidden, token) at its next draft
             hidden = self.engine.model.model(xs, cache=self.caches)
@@ -406,7 +411,7 @@ class Decoder:
         first rows; "auto" drafts greedy rows with the C++ head (or the CUDA
         kernel) where there is one, so the first sampled or constrained rows
         wait for an empty batch, which then drafts with the MLX head."""
-        if not self.k:
+        if not self.k or self._head_off:
             return True
         greedy = all(p.greedy for p in q.samples) and q.constraint is None
         if self.drafter is not None and (greedy or self.drafter.name not in GREEDY_ONLY):
@@ -455,8 +460,8 @@ class Decoder:
         t0 = time.perf_counter()
         start = 0 if q.prefix is None else len(q.prefix)  # the prefix's caches, copied, then the row's own tokens
         caches = make_main_cache(engine.model) if q.prefix is None else copy_caches(q.prefix.caches)
-        hidden, logits = engine.prefill(q.prompt[start:], caches, keep_hidden=self.k > 0)
-        if q.prefix is not None and self.k:
+        hidden, logits = engine.prefill(q.prompt[start:], caches, keep_hidden=self.drafter is not None)
+        if q.prefix is not None and self.drafter is not None:
             hidden = mx.concatenate([q.prefix.hidden, hidden], axis=1)
         self.hooks.lap("prefill")
         prefill_s = (time.perf_counter() - t0) / len(q.samples)
@@ -510,6 +515,13 @@ class Decoder:
         self._map_ahead(lambda a: a[index] if rows else None)
         self._fed = [self._fed[r] for r in rows]
         self.rows = [self.rows[r] for r in rows]
+
+    def _drop_head(self) -> None:
+        """Mode "auto" settled on plain steps: the head stops consuming the
+        rows' pairs (its drafts would never be taken)."""
+        self.drafter = None
+        self._ahead_hidden = None
+        self._head_off = True
 
     def _map_ahead(self, change) -> None:
         """Apply ``change`` to each per-row array of the dispatched plain

@@ -82,9 +82,41 @@ def test_a_divergence_on_a_near_tie_is_told_from_a_real_one(job_engine):
     for (i, bound), verdict in ((close, "near-tie"), (wide, "diverged")):
         runner_up = tops[i][1][0]
         stored = engine.tokenizer.decode(plain.tokens[:i] + [runner_up])
-        result = audit_row(engine, req, {"id": "r", "sample": 0, "completion": stored}, dtype)
-        assert (result.verdict, result.position) == (verdict, i)
-        assert result.gap == pytest.approx(tops[i][0][1] - tops[i][1][1]) and result.bound == pytest.approx(bound)
+        for row in ({"completion": stored}, {"completion": stored, "token_ids": plain.tokens[:i] + [runner_up]}):
+            result = audit_row(engine, req, {"id": "r", "sample": 0, **row}, dtype)  # by text, then by ids
+            assert (result.verdict, result.position, result.rank) == (verdict, i, 2)
+            assert result.gap == pytest.approx(tops[i][0][1] - tops[i][1][1]) and result.bound == pytest.approx(bound)
+
+
+def test_token_ids_place_the_parting_where_the_text_cannot(job_engine):
+    # The stored row spelled one of plain decoding's tokens as two tokens of
+    # the same characters, went on as plain decoding did, then parted: by its
+    # text the audit finds the parting only where the characters differ; by
+    # its ids (a job run with --logprobs keeps them) at the split itself.
+    engine = job_engine
+    decode = engine.tokenizer.decode
+    pieces = {decode([t]): t for t in range(engine.text.args.vocab_size) if decode([t]).isascii()}
+    for text in ["def add(a, b):", "Hello, world!", "class Point:", "The quick brown fox", "import os"]:
+        ids = engine.encode(text)
+        plain = engine.generate(ids, mode="baseline", max_tokens=48, trace=True)
+        split = next(((i, pieces[w[:c]], pieces[w[c:]]) for i, t in enumerate(plain.tokens[:30])
+                      if (w := decode([t])).isascii() for c in range(1, len(w))
+                      if w[:c] in pieces and w[c:] in pieces), None)
+        if split:
+            break
+    else:
+        pytest.skip("no token of these decodings is two others")
+    i, first, second = split
+    later = plain.tokens[i + 1 : i + 4]
+    other = next(t for t in pieces.values() if not decode(plain.tokens[: i + 4] + [t]).startswith(
+        decode(plain.tokens[: i + 5])))
+    stored = plain.tokens[:i] + [first, second] + later + [other]
+    req = Request("r", 0, None, "", ids, 48, ())
+    row = {"id": "r", "sample": 0, "completion": decode(stored)}
+    by_text = audit_row(engine, req, row, mx.float32)
+    by_ids = audit_row(engine, req, {**row, "token_ids": stored}, mx.float32)
+    assert by_ids.verdict == "diverged" and by_ids.position == i
+    assert by_text.verdict == "diverged" and by_text.position > i
 
 
 def test_a_row_plain_batching_gives_is_not_a_divergence(tmp_path, job_model, job_engine, monkeypatch, capsys):

@@ -468,6 +468,17 @@ def test_rows_sharing_a_system_prompt_prefill_it_once_and_write_the_same_rows(tm
     assert log.getvalue().count("over the prefix cache's") == 1 and completions(tiny) == completions(off)
 
 
+def test_shared_prefix_rows_have_the_lengths_asked_for_in_tokens():
+    from jobs.prefix_data import make_rows
+
+    split = lambda text: sum(1 + len(w) // 3 for w in text.split())  # noqa: E731  (a tokenizer that splits words)
+    rows = make_rows(8, 2048, (64, 256), seed=1, count=split)
+    system = rows[0]["prompt"].split("\n\n")[0]
+    assert all(r["prompt"].startswith(system + "\n\n") for r in rows)
+    assert 2048 <= split(system) <= 2048 * 1.02  # "System prompt 0. " and the last word's tokens past it
+    assert all(64 <= split(r["prompt"].split("\n\n")[1]) <= 256 * 1.1 for r in rows)
+
+
 def test_input_columns_are_kept_as_text_and_a_resume_keeps_the_same(tmp_path, job_model, job_engine):
     rows = [{"id": "a", "prompt": PROMPT_TEXTS[0], "reference": "return a + b", "score": 3, "tags": ["x", "y"]},
             {"id": "b", "messages": [{"role": "user", "content": PROMPT_TEXTS[1]}], "reference": None},

@@ -195,8 +195,33 @@ def test_no_probe_while_even_drafts_all_accepted_could_not_pay():
     choices = [c.choose(rows, [1000] * 4) for _ in range(10 * PLAIN_RUN)]
     assert choices[PLAIN_RUN] >= 1  # one probe measures acceptance; it finds plain steps pay
     assert choices[:PLAIN_RUN] + choices[PLAIN_RUN + 1:] == [0] * (10 * PLAIN_RUN - 1)  # then no more
+    assert c.settled and "settled on plain steps" in c.describe()
+    with_rate(c, rows, 0.99, steps=40)  # settled: whatever acceptance it hears of, steps stay plain
+    assert not any(c.choose(rows, [1000] * 4) for _ in range(4 * MAX_PLAIN_RUN))
     # Where a step of two drafts costs less than three plain ones, probes go on.
     d = Controller(2)
     measured(d, 4, {1: 1.0, 2: 1.9, 3: 2.5})
     with_rate(d, rows, 0.02, steps=40)
     assert any(d.choose(rows, [1000] * 4) for _ in range(PLAIN_RUN + 1))
+    assert not d.settled
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_decoder_settled_on_plain_steps_stops_feeding_the_head_and_keeps_every_token(engine, temperature):
+    prompts = PROMPTS[:6]
+    plain = engine.generate_batch(prompts, mode="baseline", batch_size=2, max_tokens=32, temperature=temperature,
+                                  seed=5)
+    decoder = Decoder(engine, DecodeConfig(mode="auto", draft_tokens=2, batch_size=2, drafter="mlx"))
+    for i, prompt in enumerate(prompts):
+        decoder.add(i, prompt, [SamplingParams(temperature=temperature, seed=5 + i)], max_tokens=32)
+    results, steps = {}, 0
+    while decoder.pending:
+        steps += 1
+        if steps == 6:  # mid-row, with plain steps' pairs queued for the head: the costs say drafts cannot pay
+            decoder.controller.settled = True
+        for (i, _), r in decoder.step():
+            results[i] = r
+    assert decoder.drafter is None  # the head no longer consumes the rows' prompts and tokens
+    assert [results[i].tokens for i in range(len(prompts))] == [r.tokens for r in plain]
+    late = [results[i].stats.depths for i in range(2, len(prompts))]  # rows that joined after it settled
+    assert all(sum(d[1:]) == 0 for d in late)
