@@ -246,7 +246,7 @@ def audit_row(engine: MTPEngine, req: Request, row: dict, dtype) -> RowAudit:
     if plain.text == stored:
         return RowAudit(rid, j, "identical")
     tokens, ids = plain.tokens, row.get("token_ids")
-    text = lambda ids: engine.tokenizer.decode(ids)  # noqa: E731
+    text = lambda seq: engine.tokenizer.decode(seq)  # noqa: E731
     fits = lambda s: stored.startswith(s) or s.startswith(stored)  # noqa: E731  (one ends where the other goes on)
     if ids is not None:  # the first id that differs
         i = next((i for i, (a, b) in enumerate(zip(tokens, ids)) if a != b), min(len(tokens), len(ids)))

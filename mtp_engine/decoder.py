@@ -120,7 +120,6 @@ class Decoder:
         self.hooks = hooks or Hooks()
         self.drafter = drafter
         self._own_drafter = drafter is None
-        self._head_off = False  # mode "auto" settled on plain steps: no head follows the rows
         self.caches = make_batch_cache(engine.model)
         self.rows: list[_Row] = []
         self.queue: list[_Queued] = []
@@ -236,7 +235,7 @@ class Decoder:
         if depth is None and self.controller is not None:
             live = [r for r in self.rows if not r.ghost]
             depth = self.controller.choose([r.acceptance for r in live], [r.budget for r in live], len(self.rows))
-            if self.controller.settled and self._own_drafter and not self._head_off:
+            if self._head_off and self.drafter is not None:
                 self._drop_head()
         elif depth is None:
             depth = self.k
@@ -516,12 +515,17 @@ class Decoder:
         self._fed = [self._fed[r] for r in rows]
         self.rows = [self.rows[r] for r in rows]
 
+    @property
+    def _head_off(self) -> bool:
+        """Mode "auto" settled on plain steps: its own drafter is dropped
+        (`_drop_head`) and no other is made."""
+        return self._own_drafter and self.controller is not None and self.controller.settled
+
     def _drop_head(self) -> None:
-        """Mode "auto" settled on plain steps: the head stops consuming the
-        rows' pairs (its drafts would never be taken)."""
+        """The head stops consuming the rows' pairs (its drafts would never
+        be taken)."""
         self.drafter = None
         self._ahead_hidden = None
-        self._head_off = True
 
     def _map_ahead(self, change) -> None:
         """Apply ``change`` to each per-row array of the dispatched plain
