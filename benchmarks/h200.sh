@@ -43,6 +43,8 @@
 # 427 s on one, 29 s once compiled. MLX caches them under /tmp/mlx. To carry them to a later machine, end a
 # warm call with `tar czf $OUT/ptx.tgz -C /tmp mlx` (about 4 MB), keep the file as .mlx-ptx/ptx.tgz (ignored)
 # and name .mlx-ptx in the next call's carry: this script unpacks it first.
+# Staging in four calls: split the CUDA wheel into parts of 28,000,000 bytes (three of them fit beside the
+# ~38 MB tree under a call's 64 MiB); the fourth call carries the small last part, the other wheels and .mlx-ptx.
 set -u
 if [ -f .mlx-ptx/ptx.tgz ] && [ ! -d /tmp/mlx ]; then tar xzf .mlx-ptx/ptx.tgz -C /tmp; fi
 out=${OUT:-benchmarks/results}

@@ -14,9 +14,11 @@ give the device too little work to hide each layer's submission behind, and
 in prompt prefill the host would queue many layers ahead and raise peak
 memory for no time gained (figures: docs/BACKENDS.md).
 
-``mx.async_eval`` is not allowed inside a function transformation
-(``mx.grad``, ``mx.compile``: head training runs the trunk under both);
-there a dispatched layer is a plain one.
+``mx.async_eval`` of a traced array is refused (inside ``mx.grad`` or
+``mx.compile`` of a function of the weights or of the trunk's input); there
+a dispatched layer is a plain one. A trunk that a transformed function only
+closes over is not traced: its layers are constants of the trace, and a
+dispatched layer evaluates them as the trace is built.
 """
 
 from __future__ import annotations
