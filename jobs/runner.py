@@ -623,7 +623,7 @@ def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lamb
     after `BATCH_FAILURES_BEFORE_FALLBACK` such failures in a row every
     prompt is."""
     warm = config.warm_up or (config.warm_up is None and mx.default_device() != mx.cpu)
-    # a warm-up meets the step shapes of row-count buckets (finished rows keep their places down to one)
+    # a warm-up meets the step shapes of row-count buckets (finished rows keep their places down to a bucket)
     decoder = Decoder(engine, config.decode_config(), drafter=make_drafter() if make_drafter else None,
                       buckets=warm)
     prefixes = None

@@ -46,6 +46,21 @@ from mtp_engine.stopping import Finisher, stop_list
 from mtp_engine.verify import verify
 from schemas.records import GenerationResult, GenerationStats, StepTrace
 
+SMALLEST_BUCKET = 32
+"""Rows below which `row_buckets` stops: on a GPU a step's time is flat in
+its rows up to at least 32 (docs/BENCHMARKS.md), so a smaller bucket would
+only add step shapes to warm up."""
+
+
+def row_buckets(size: int) -> list[int]:
+    """The row counts a batch of ``size`` places keeps, finished rows
+    stepping on as ghosts: ``size`` and each quarter of it down to
+    `SMALLEST_BUCKET`."""
+    buckets = [size]
+    while buckets[-1] // 4 >= SMALLEST_BUCKET:
+        buckets.append(buckets[-1] // 4)
+    return sorted(buckets)
+
 
 class Hooks:
     """Where a benchmark may look inside a step (the decoder calls these;
@@ -102,18 +117,19 @@ class Decoder:
         drafter: A drafter object to use instead of the one ``decode``
             names (benchmarks wrap one: `mtp_engine.tools.projection`).
         buckets: Whether finished rows keep their places down to a bucket
-            of rows (`buckets`). Default: on a GPU, where each new step
-            shape has a first-use cost; on the CPU a new shape costs nothing
-            and a kept place costs its share of every step (batched chains
-            10% slower at B=32 there: docs/BENCHMARKS.md), so rows leave at
-            once.
+            of rows (`buckets`: True for `row_buckets`, or the row counts).
+            Default: on a GPU, where each new step shape has a first-use
+            cost and a kept place costs next to nothing; on the CPU a new
+            shape costs nothing and a kept place costs its share of every
+            step (batched chains 10% slower at B=32 there:
+            docs/BENCHMARKS.md), so rows leave at once.
 
     Use `add` to queue prompts and call `step` until `pending` is 0; each
     step returns the ``((key, sample), result)`` pairs that finished.
     """
 
     def __init__(self, engine, decode: DecodeConfig, hooks: Hooks | None = None, drafter=None,
-                 buckets: bool | None = None):
+                 buckets: bool | list[int] | None = None):
         self.engine = engine
         self.decode = decode
         self.k = decode.draft_tokens if decode.speculative else 0
@@ -133,8 +149,9 @@ class Decoder:
         size = decode.batch_size
         if buckets is None:
             buckets = mx.default_device() == mx.gpu
-        self.buckets = (sorted({1 << i for i in range(size.bit_length()) if 1 << i < size} | {size}) if buckets
-                        else list(range(1, size + 1)))
+        if buckets is True:
+            buckets = row_buckets(size)
+        self.buckets = sorted({n for n in buckets if n < size} | {size}) if buckets else list(range(1, size + 1))
 
     @property
     def pending(self) -> int:
@@ -198,7 +215,7 @@ class Decoder:
         depths = [d for d in uses for _ in range(3 if d == 0 else 2)]  # a plain step's cost counts from its third
         shapes = set()
         for size in self.buckets:
-            warm = Decoder(self.engine, replace(self.decode, batch_size=size), buckets=True)
+            warm = Decoder(self.engine, replace(self.decode, batch_size=size), buckets=[size])
             warm.add(None, prompt, [sampling] * size, max_tokens=sum(depths) + len(depths) + 1)
             for depth in depths:
                 if warm.step(depth) or not warm.live:

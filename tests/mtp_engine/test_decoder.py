@@ -111,8 +111,10 @@ def test_every_row_equals_plain_decoding_of_its_prompt_alone(models, name, batch
     if drafter == "cpp" and engine.drafters.cpp is None:
         pytest.skip("needs the C++ drafter")
     rows = rows_for(engine, reference)
-    # buckets: finished rows keep their places (ghosts stepping beside live rows), as on a GPU
-    decoder = Decoder(engine, DecodeConfig(mode=mode, draft_tokens=k, batch_size=batch, drafter=drafter), buckets=True)
+    # buckets: finished rows keep their places (ghosts stepping beside live rows), as on a GPU, down to
+    # smaller buckets than a GPU's batches meet (rows leave a bucket too)
+    decoder = Decoder(engine, DecodeConfig(mode=mode, draft_tokens=k, batch_size=batch, drafter=drafter),
+                      buckets=[1, 2, 4])
     for i, row in enumerate(rows):
         decoder.add(i, row["ids"], [GREEDY], max_tokens=row["max_tokens"], stop=row["stop"])
     results, sizes = {}, set()
@@ -144,7 +146,7 @@ def test_warm_up_meets_every_step_shape_of_the_job_and_changes_no_token(models, 
     meets no verify shape the warm-up did not, and its rows are plain
     decoding's."""
     engine, reference = models["l4_fai4_kv2_e4k2"]
-    decoder = Decoder(engine, DecodeConfig(mode="auto", draft_tokens=3, batch_size=6), buckets=True)
+    decoder = Decoder(engine, DecodeConfig(mode="auto", draft_tokens=3, batch_size=6), buckets=[1, 2, 4])
     seconds, shapes = decoder.warm_up(GREEDY)
     assert decoder.buckets == [1, 2, 4, 6] and shapes == 4 * 4 and seconds > 0 and not decoder.rows
     measured = {shape for shape, (_, recent) in decoder.controller.costs.items() if recent}
