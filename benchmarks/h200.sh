@@ -13,7 +13,8 @@
 #   bash benchmarks/h200.sh sampling   # shipped model, plain sampling vs both samplers, T=0.7 and 1.0 -> h200-sampling.json
 #   bash benchmarks/h200.sh lossless   # shipped model, bf16, every mode vs mlx-lm greedy -> h200-lossless.json
 #   bash benchmarks/h200.sh audit      # shipped model, a 64-row job in each speculative mode, audited against plain
-#                                      # decoding (python -m jobs audit) -> h200-audit-MODE.json
+#                                      # decoding (python -m jobs audit) -> h200-audit-MODE.json; MODES="..." picks
+#                                      # modes (adaptive, one row at a time, takes minutes: give it a call of its own)
 #   bash benchmarks/h200.sh job        # shipped model, a 64-prompt x 96-token job end to end: plain batching, auto,
 #                                      # batched chain K=3 at B=32, greedy and T=0.7 (python -m jobs.bench) -> h200-job.json
 #   bash benchmarks/h200.sh job-80b    # the runner end to end on Qwen3-Next-80B-A3B shapes (random 4-bit weights,

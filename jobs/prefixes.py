@@ -1,10 +1,12 @@
 """Shared prompt prefixes prefilled once per job (a system prompt, a
 few-shot block, a chat template's header repeated on every row).
 
-The runner sees rows one after another. For each row, `PrefixCache.find`
-returns the longest kept prefix its prompt continues; failing that, it
-compares the prompt with the last `WINDOW` prompts, and where `AGREE` of
-them share at least ``min_tokens`` tokens with it, it prefills the shortest
+The runner decodes rows one after another, having read up to `WINDOW`
+rows ahead (an offline job knows its rows before it decodes them). For each
+row, `PrefixCache.find` returns the longest kept prefix its prompt
+continues; failing that, it compares the prompt with the last `WINDOW`
+prompts and the rows read ahead, and where `AGREE` of them share at least
+``min_tokens`` tokens with it, it prefills the shortest
 such shared run (the part they all have in common) once
 (`MTPEngine.prefill_prefix`) and keeps it. A row served by a prefix prefills only its own suffix, from a copy of
 the prefix's caches (`mtp_engine.prefix`). Kept prefixes live within a byte
@@ -20,7 +22,8 @@ import os
 from collections import OrderedDict, deque
 
 WINDOW = 32
-"""Recent prompts a new one is compared with."""
+"""Recent prompts, and prompts read ahead, a new one is compared with (so
+the first row of a group already starts from its prefix)."""
 AGREE = 2
 """Recent prompts that must share a run with a new one before it becomes a
 prefix: the run three prompts share is the common part (a system prompt),
@@ -71,15 +74,17 @@ class PrefixCache:
         self.hits = self.made = self.saved_tokens = 0
         self._noted = False
 
-    def find(self, ids: list[int]):
-        """The `PrefixState` this prompt should start from, or None."""
+    def find(self, ids: list[int], upcoming: list[list[int]] = ()):
+        """The `PrefixState` this prompt should start from, or None
+        (``upcoming``: the prompts of the rows read ahead, next first)."""
         best = max((p for p in self.kept.values() if p.continues(ids)), key=len, default=None)
         if best is not None:
             self.kept.move_to_end(best.tokens)
             self.hits += 1
             self.saved_tokens += len(best)
             return best
-        shared = [n for n in (_shared(ids, r) for r in self.recent) if n >= self.min_tokens]
+        others = [*self.recent, *upcoming[:WINDOW]]
+        shared = [n for n in (_shared(ids, r) for r in others) if n >= self.min_tokens]
         self.recent.append(ids)
         if len(shared) < AGREE:
             return None

@@ -18,6 +18,7 @@ import shlex
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -47,6 +48,7 @@ from jobs.output import (
     read_manifest,
     writer_name,
 )
+from jobs.prefixes import WINDOW as PREFIX_WINDOW
 from jobs.prefixes import PrefixCache, default_budget_bytes
 from jobs.progress import Progress
 from jobs.prompts import Preparer, Request, RowError, TemplateStuck, completion_seed, raw_id
@@ -663,8 +665,16 @@ def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lamb
                 del in_flight[rid]
             _finish_result(finish, item.request, sample, result, None)
 
+    items, ahead = iter(work), deque()  # rows read ahead: a shared prefix is found at its group's first row
+    read_ahead = 1 + (PREFIX_WINDOW if prefixes is not None else 0)
+
+    def next_item():
+        while len(ahead) < read_ahead and (item := next(items, None)) is not None:
+            ahead.append(item)
+        return ahead.popleft() if ahead else None
+
     try:
-        for item in work:
+        while (item := next_item()) is not None and not stop.requested:
             if isinstance(item, RowError):
                 finish(_error_to_row(item, config.seed))
                 continue
@@ -675,7 +685,8 @@ def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lamb
                 continue
             req = item.request
             try:
-                prefix = prefixes.find(req.prompt_ids) if prefixes is not None else None
+                prefix = None if prefixes is None else prefixes.find(
+                    req.prompt_ids, [w.request.prompt_ids for w in ahead if isinstance(w, Work)])
                 decoder.add(req.id, req.prompt_ids, [req.sample_params(j) for j in item.samples],
                             max_tokens=req.max_tokens, stop=list(req.stop) or None, prefix=prefix,
                             logprobs=req.logprobs, constraint=req.constraint)

@@ -22,7 +22,8 @@ committed per second. It measures both sides as the decoder runs:
   kernels compiling, buffers allocated). At the start plain steps and steps
   of one draft are measured; a wider step not measured yet is priced by
   extrapolating the two below it, and tried when that price makes it the
-  best choice. A row count not measured at some width borrows the width's
+  best choice; one priced more than `IMPLAUSIBLE` times a wider width is
+measured again. A row count not measured at some width borrows the width's
   cost relative to one it has measured from the nearest row count that has
   both (only ratios between widths decide).
 
@@ -84,6 +85,11 @@ HOPELESS = 0.9
 """A probe is skipped while the step costs say that drafts all accepted
 would still give less than this share of plain steps' tokens per second
 (a step of d drafts emits at most d + 1 tokens)."""
+
+IMPLAUSIBLE = 2.0
+"""A width priced above this multiple of a wider one at the same rows is
+measured again (a first use paid at its second step, as a fresh process's
+warm-up can meet: 1.4 s against 18 ms on an H100, docs/BENCHMARKS.md)."""
 
 EXPLORE_EVERY = 32
 """Speculative steps between two steps at a depth next to the best."""
@@ -198,6 +204,9 @@ class Controller:
         if deepest < 1 or self.settled:
             return self._chose(0)
         costs = [self.cost(places or len(rows), d + 1) for d in range(deepest + 1)]
+        for d in range(deepest):  # priced far above a wider step: a first use met again; measured anew
+            if costs[d] is not None and any(c is not None and c * IMPLAUSIBLE < costs[d] for c in costs[d + 1:]):
+                costs[d] = None
         for d in (0, 1):  # plain steps and one draft are measured first
             if costs[d] is None:
                 return self._chose(d)

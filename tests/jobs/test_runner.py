@@ -459,8 +459,10 @@ def test_rows_sharing_a_system_prompt_prefill_it_once_and_write_the_same_rows(tm
         run_job(job_config(dataset, job_model, on, mode=mode, limit=10, **common), engine=job_engine, stream=log)
         run_job(job_config(dataset, job_model, on, mode=mode, **common), engine=job_engine, stream=log)  # resumed
         assert completions(on) == completions(off)
-        served = [int(line.split()[1]) for line in log.getvalue().splitlines() if line.startswith("prefixes: ")]
-        assert len(served) == 2 and served[1] >= 10, log.getvalue()  # of 20 rows in three groups
+        lines = [line.split() for line in log.getvalue().splitlines() if line.startswith("prefixes: ")]
+        served, made = [int(w[1]) for w in lines], [int(w[w.index("prefixes", 2) - 1]) for w in lines]
+        # rows read ahead: each group's first row prefills its prefix, every other row starts from it
+        assert made == [2, 3] and [s + m for s, m in zip(served, made)] == [10, 20], log.getvalue()
         print_status(on)
         assert "prefixes:  " in capsys.readouterr().out
     tiny, log = tmp_path / "tiny-budget", io.StringIO()

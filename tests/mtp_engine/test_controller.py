@@ -169,6 +169,24 @@ def test_a_depth_misjudged_at_start_is_measured_again_and_taken():
     assert choices[-100:].count(3) > 80  # measured again, then taken
 
 
+def test_a_narrow_step_priced_above_a_wider_one_is_measured_again_and_taken():
+    # One draft's only early measure paid a first use (100x its cost); one
+    # draft is the best depth at the true costs (E = 1.8 / 2.44 / 2.95 tokens).
+    true = {1: 1.0, 2: 1.05, 3: 1.6, 4: 2.2}
+    c = Controller(3)
+    measured(c, 8, {**true, 2: 100.0})
+    rows = [RowAcceptance.empty(3) for _ in range(8)]
+    choices = []
+    for s in range(200):
+        d = c.choose(rows, [1000] * 8)
+        choices.append(d)
+        c.observe_step(8, d + 1, true[d + 1])
+        if d:
+            accepted = [next((j for j in range(d) if (s * 7 + j * 3 + b) % 10 >= 8), d) for b in range(8)]
+            c.observe_rows(rows, [d] * 8, accepted)
+    assert choices[-100:].count(1) > 80
+
+
 def test_a_position_no_step_tries_keeps_its_estimate():
     c = Controller(3)
     rows = [RowAcceptance.empty(3) for _ in range(4)]

@@ -105,7 +105,11 @@ def test_gradients_through_dispatched_layers(engines):
     assert mx.array_equal(*values).item()
     flat = [tree_flatten(g) for g in grads]
     assert [k for k, _ in flat[0]] == [k for k, _ in flat[1]] and len(flat[0]) > 0
-    assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(*flat))
+    if is_cuda_backend():  # CUDA's scatter-add (a gather's gradient: embeddings, experts) adds atomically, in no
+        # fixed order, so float32 sums of the same terms may differ run to run (docs/BACKENDS.md)
+        assert all((mx.abs(a - b).max() <= 1e-4 * mx.abs(b).max()).item() for (_, a), (_, b) in zip(*flat))
+    else:
+        assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(*flat))
     # ... and under mx.compile with the weights as its inputs (against
     # compiled plain layers: a GPU's fused kernels may round differently
     # from eager ones).
