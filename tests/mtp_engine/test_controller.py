@@ -150,21 +150,28 @@ def test_probes_grow_rarer_while_drafts_do_not_pay():
     assert set(gaps[5:]) == {MAX_PLAIN_RUN}
 
 
-def test_a_depth_misjudged_at_start_is_measured_again_and_taken():
-    # Width 4's only early measure was slow (a second use of a shape still
-    # compiling); the step really costs what width 3 does. Drafts land at 0.8.
-    true = {1: 1.0, 2: 1.02, 3: 1.04, 4: 1.06}
+def steps_at(true: dict[int, float], first: dict[int, float], steps: int) -> list[int]:
+    """A controller's choices over 8 rows whose drafts land at 0.8, each
+    width measured at ``first`` before its steps cost ``true``."""
     c = Controller(3)
-    measured(c, 8, {**true, 4: 1.6})
+    measured(c, 8, first)
     rows = [RowAcceptance.empty(3) for _ in range(8)]
     choices = []
-    for s in range(400):
+    for s in range(steps):
         d = c.choose(rows, [1000] * 8)
         choices.append(d)
         c.observe_step(8, d + 1, true[d + 1])
         if d:
             accepted = [next((j for j in range(d) if (s * 7 + j * 3 + b) % 10 >= 8), d) for b in range(8)]
             c.observe_rows(rows, [d] * 8, accepted)
+    return choices
+
+
+def test_a_depth_misjudged_at_start_is_measured_again_and_taken():
+    # Width 4's only early measure was slow (a second use of a shape still
+    # compiling); the step really costs what width 3 does. Drafts land at 0.8.
+    true = {1: 1.0, 2: 1.02, 3: 1.04, 4: 1.06}
+    choices = steps_at(true, {**true, 4: 1.6}, 400)
     assert choices[:20].count(3) < 5  # misjudged at first
     assert choices[-100:].count(3) > 80  # measured again, then taken
 
@@ -173,18 +180,7 @@ def test_a_narrow_step_priced_above_a_wider_one_is_measured_again_and_taken():
     # One draft's only early measure paid a first use (100x its cost); one
     # draft is the best depth at the true costs (E = 1.8 / 2.44 / 2.95 tokens).
     true = {1: 1.0, 2: 1.05, 3: 1.6, 4: 2.2}
-    c = Controller(3)
-    measured(c, 8, {**true, 2: 100.0})
-    rows = [RowAcceptance.empty(3) for _ in range(8)]
-    choices = []
-    for s in range(200):
-        d = c.choose(rows, [1000] * 8)
-        choices.append(d)
-        c.observe_step(8, d + 1, true[d + 1])
-        if d:
-            accepted = [next((j for j in range(d) if (s * 7 + j * 3 + b) % 10 >= 8), d) for b in range(8)]
-            c.observe_rows(rows, [d] * 8, accepted)
-    assert choices[-100:].count(1) > 80
+    assert steps_at(true, {**true, 2: 100.0}, 200)[-100:].count(1) > 80
 
 
 def test_a_position_no_step_tries_keeps_its_estimate():
