@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 
 WINDOW = 32
 """Recent prompts, and prompts read ahead, a new one is compared with (so
@@ -74,16 +75,17 @@ class PrefixCache:
         self.hits = self.made = self.saved_tokens = 0
         self._noted = False
 
-    def find(self, ids: list[int], upcoming: list[list[int]] = ()):
+    def find(self, ids: list[int], upcoming: Iterable[list[int]] = ()):
         """The `PrefixState` this prompt should start from, or None
-        (``upcoming``: the prompts of the rows read ahead, next first)."""
+        (``upcoming``: the prompts of the rows read ahead, at most
+        `WINDOW`; read only where no kept prefix serves)."""
         best = max((p for p in self.kept.values() if p.continues(ids)), key=len, default=None)
         if best is not None:
             self.kept.move_to_end(best.tokens)
             self.hits += 1
             self.saved_tokens += len(best)
             return best
-        others = [*self.recent, *upcoming[:WINDOW]]
+        others = [*self.recent, *upcoming]
         shared = [n for n in (_shared(ids, r) for r in others) if n >= self.min_tokens]
         self.recent.append(ids)
         if len(shared) < AGREE:

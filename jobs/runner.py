@@ -686,7 +686,7 @@ def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lamb
             req = item.request
             try:
                 prefix = None if prefixes is None else prefixes.find(
-                    req.prompt_ids, [w.request.prompt_ids for w in ahead if isinstance(w, Work)])
+                    req.prompt_ids, (w.request.prompt_ids for w in ahead if isinstance(w, Work)))
                 decoder.add(req.id, req.prompt_ids, [req.sample_params(j) for j in item.samples],
                             max_tokens=req.max_tokens, stop=list(req.stop) or None, prefix=prefix,
                             logprobs=req.logprobs, constraint=req.constraint)

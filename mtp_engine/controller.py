@@ -23,7 +23,7 @@ committed per second. It measures both sides as the decoder runs:
   of one draft are measured; a wider step not measured yet is priced by
   extrapolating the two below it, and tried when that price makes it the
   best choice; one priced more than `IMPLAUSIBLE` times a wider width is
-measured again. A row count not measured at some width borrows the width's
+  measured again. A row count not measured at some width borrows the width's
   cost relative to one it has measured from the nearest row count that has
   both (only ratios between widths decide).
 

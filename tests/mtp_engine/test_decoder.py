@@ -285,7 +285,8 @@ def test_phase_timing_accounts_for_a_run_and_changes_no_token(models, drafter):
     prompts = [engine.encode(p) for p in PROMPTS] + [engine.encode(LONG)]
     plain = engine.generate_batch(prompts, batch_size=3, max_tokens=12, draft_tokens=3, drafter=drafter)
     timer = PhaseTimer()
-    decoder = Decoder(engine, DecodeConfig(draft_tokens=3, batch_size=3, drafter=drafter), hooks=timer, buckets=False)  # rows leave: every phase
+    decoder = Decoder(engine, DecodeConfig(draft_tokens=3, batch_size=3, drafter=drafter), hooks=timer,
+                      buckets=False)  # rows leave the batch: every phase is met
     for i, ids in enumerate(prompts):
         decoder.add(i, ids, [GREEDY], max_tokens=12)
     results, start = {}, time.perf_counter()
