@@ -23,8 +23,8 @@
 #                                      # job-80b-sampled: T=0.8; job-80b-weak: profile 0.70,0.45,0.27; job-80b-falling:
 #                                      # 32 prompts x 1024 tokens, 0.70,0.45,0.27 from token 512 on; job-80b-prefix: 32
 #                                      # rows sharing a 2K-token system prompt (64-256-token suffixes), plain batching
-#                                      # with prefix sharing off and on, 2 rounds (compare round 2: a process's first
-#                                      # job pays its kernel compiles); job-80b-prefix-auto: auto (one call each)
+#                                      # and auto, prefix sharing off and on, 2 rounds (~250 s; compare round 2: a
+#                                      # process's first job pays its kernel compiles) (one call each)
 #                                      # -> GPU-job-80b*.json (GPU: h200 or h100)
 #   bash benchmarks/h200.sh 80b        # Qwen3-Next-80B-A3B shapes, random 4-bit weights, 1K-token prompts x 128 new
 #   bash benchmarks/h200.sh 80b-b8     # tokens, drafts projected at profile 0.93,0.82,0.64: B=32; B=8; single chains
@@ -46,6 +46,7 @@
 # and name .mlx-ptx in the next call's carry: this script unpacks it first.
 # Staging in four calls: split the CUDA wheel into parts of 28,000,000 bytes (three of them fit beside the
 # ~38 MB tree under a call's 64 MiB); the fourth call carries the small last part, the other wheels and .mlx-ptx.
+# Several suites back to back in a detached process, polled by later calls: benchmarks/gpu-queue.sh.
 set -u
 if [ -f .mlx-ptx/ptx.tgz ] && [ ! -d /tmp/mlx ]; then tar xzf .mlx-ptx/ptx.tgz -C /tmp; fi
 out=${OUT:-benchmarks/results}
@@ -55,7 +56,7 @@ bench="python3 -u -m mtp_engine.bench"
 # Result files are named after the card that made them: h200-*.json or h100-*.json.
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && echo h100 || echo h200)
 
-case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audit, job-80b, job-80b-b8, job-80b-sampled, job-80b-weak, job-80b-falling, job-80b-prefix, job-80b-prefix-auto, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
+case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audit, job-80b, job-80b-b8, job-80b-sampled, job-80b-weak, job-80b-falling, job-80b-prefix, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
     timeout "${LIMIT:-480}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
       tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/model/test_dispatch.py tests/mtp_engine/model/test_rope.py \
@@ -93,7 +94,7 @@ case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audi
       timeout "${LIMIT:-90}" python3 -m jobs audit "/tmp/audit-$mode" --json "$out/$gpu-audit-$mode.json" \
         | grep -v ": identical" | tee -a "$out/$gpu-audit.log" | tail -1
     done ;;
-  job-80b|job-80b-b8|job-80b-sampled|job-80b-weak|job-80b-falling|job-80b-prefix|job-80b-prefix-auto)
+  job-80b|job-80b-b8|job-80b-sampled|job-80b-weak|job-80b-falling|job-80b-prefix)
     profile=0.93,0.82,0.64; args="--prompts 64 --batch-size 32"; rounds=1; modes="baseline auto"
     case "$1" in
       job-80b) rounds=2 ;;
@@ -102,9 +103,7 @@ case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audi
       job-80b-weak) profile=0.70,0.45,0.27 ;;
       job-80b-falling) args="--prompts 32 --batch-size 32 --profile-after 512:0.70,0.45,0.27 --max-tokens 1024" ;;
       job-80b-prefix) args="--prompts 32 --batch-size 32 --shared-prefix 2048 64 256"; rounds=2
-        modes="baseline,prefix_sharing=false baseline" ;;
-      job-80b-prefix-auto) args="--prompts 32 --batch-size 32 --shared-prefix 2048 64 256"; rounds=2
-        modes="baseline,prefix_sharing=false auto,prefix_sharing=false auto" ;;
+        modes="baseline,prefix_sharing=false baseline auto,prefix_sharing=false auto" ;;
     esac
     timeout "${LIMIT:-560}" python3 -u -m jobs.bench --synthetic 80b --prompt-tokens 1024 --max-tokens 256 \
       --modes $modes --rounds $rounds --acceptance-profile $profile $args --json "$out/$gpu-$1.json" ;;

@@ -44,6 +44,7 @@ from jobs.status import folder_state
 from mtp_engine import MTPEngine
 from mtp_engine.constraints import ROW_FIELDS
 from mtp_engine.modes import MODES
+from mtp_engine.tools.phases import PHASES, PhaseTimer
 from mtp_engine.tools.projection import ProjectedDrafts, ProjectingDrafter, parse_later, parse_profile
 from mtp_engine.tools.synthetic import SYNTHETIC, random_quantized_checkpoint
 
@@ -141,8 +142,9 @@ def run_once(engine, dataset: str, model: str, output: Path, mode: str, temperat
     # constrained rows' masks: how many, and their host seconds (llguidance is loaded only for constrained modes)
     grammars = engine.grammars if _constraint(mode) else None
     masks_before = (grammars.masks_made, grammars.mask_s) if grammars else (0, 0.0)
+    timer = PhaseTimer() if args.phase_times else None
     start = time.perf_counter()
-    summary = run_job(config, engine=engine, stream=log, make_drafter=make_drafter)
+    summary = run_job(config, engine=engine, stream=log, make_drafter=make_drafter, hooks=timer)
     wall = time.perf_counter() - start
     masks = (grammars.masks_made - masks_before[0], grammars.mask_s - masks_before[1]) if grammars else (0, 0.0)
     rows = datasets.load_from_disk(str(output))
@@ -165,7 +167,19 @@ def run_once(engine, dataset: str, model: str, output: Path, mode: str, temperat
             "depths": depths if name == "auto" else None,
             "acceptance_length": round((accepted + steps) / steps, 3) if steps else None,
             "masks": masks[0], "mask_us_per_token": round(masks[1] / summary.tokens * 1e6, 1) if masks[0] else None,
-            "interrupted": summary.interrupted}
+            "interrupted": summary.interrupted,
+            "phases_s": _phases(timer, wall) if timer else None}
+
+
+def _describe(phases: dict) -> str:
+    return ", ".join(f"{p} {s}" for p, s in phases.items() if s)
+
+
+def _phases(timer: PhaseTimer, wall: float) -> dict:
+    """Seconds per decoder phase, and the job's time outside them ("other":
+    reading, warm-up, the head's drafts' setup, shards and views)."""
+    phases = {p: round(timer.seconds.get(p, 0.0), 3) for p in PHASES}
+    return {**phases, "other": round(wall - sum(phases.values()), 3)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared-prefix", type=int, nargs=3, metavar=("PREFIX", "MIN", "MAX"),
                    help="with --synthetic: rows share a system prompt of PREFIX tokens, each with its own suffix "
                         "of MIN..MAX tokens (python -m jobs.prefix_data)")
+    p.add_argument("--phase-times", action="store_true",
+                   help="time each decoder phase (synchronizing after each: for where time goes, not throughput)")
     p.add_argument("--json", help="write the report here")
     args = p.parse_args(argv)
     if args.shared_prefix and (not args.synthetic or min(args.shared_prefix) < 1
@@ -235,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
                   + (f", {run['masks']} masks, {run['mask_us_per_token']} us of masks per token"
                      if run["masks"] else "") + ")"
                   + (f"\n  {run['controller']}" if run["controller"] else "")
-                  + (f"\n  {run['prefixes']}" if run["prefixes"] else ""), file=sys.stderr, flush=True)
+                  + (f"\n  {run['prefixes']}" if run["prefixes"] else "")
+                  + (f"\n  phases (s): {_describe(run['phases_s'])}" if run["phases_s"] else ""),
+                  file=sys.stderr, flush=True)
     summary = []
     for temperature in args.temperatures:
         here = [run for run in runs if run["temperature"] == temperature]

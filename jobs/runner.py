@@ -218,6 +218,7 @@ def run_job(
     engine: MTPEngine | None = None,
     stream=None,
     make_drafter=None,
+    hooks=None,
 ) -> JobSummary:
     """Run (or resume) a generation job.
 
@@ -230,6 +231,8 @@ def run_job(
         make_drafter: Makes the drafter of the job's decoder (benchmarks:
             drafts projected at an acceptance profile, `jobs.bench`);
             default the engine's choice.
+        hooks: The decoder's `mtp_engine.decoder.Hooks` (benchmarks: each
+            phase timed, `jobs.bench --phase-times`).
 
     Raises:
         FileNotFoundError, ValueError (bad model, dataset or configuration),
@@ -254,7 +257,7 @@ def run_job(
     manifest = build_manifest(config, engine.tokenizer, source, scan, world, version)
     try:
         _open_folder(out, config, manifest, ranks)
-        return _run(config, engine, source, scan, out, ranks, stream, log, version, make_drafter)
+        return _run(config, engine, source, scan, out, ranks, stream, log, version, make_drafter, hooks)
     except OSError as e:
         raise OutputError(_os_error_message(e, out)) from None
     finally:
@@ -390,7 +393,7 @@ def _os_error_message(e: OSError, out: OutputFolder) -> str:
     return f"cannot write to {out.path}: {what}{where}{'; ' + hint if hint else ''}. {kept}"
 
 
-def _run(config, engine, source, scan, out, ranks, stream, log, version, make_drafter=None) -> JobSummary:
+def _run(config, engine, source, scan, out, ranks, stream, log, version, make_drafter=None, hooks=None) -> JobSummary:
     rank, world = ranks.rank, ranks.world
     progress_log = lambda m: progress.log(m)  # noqa: E731  (progress is made below)
     preparer = Preparer(config, engine.tokenizer, engine.context_length, reserved_ids=scan.ids,
@@ -436,7 +439,7 @@ def _run(config, engine, source, scan, out, ranks, stream, log, version, make_dr
         work = _work(source, config, preparer, out.done, rank, world, stop, stuck)
         try:
             _decode(engine, config, work, finish, stop, log=progress.log, info=progress.info, warmed=buffer.warmed,
-                report=progress.report, make_drafter=make_drafter)
+                report=progress.report, make_drafter=make_drafter, hooks=hooks)
             buffer.flush()
         except BaseException:
             progress.close("failed")
@@ -618,7 +621,7 @@ def _alone(engine, config, item: Work, finish, attempts: int = 2) -> None:
 
 
 def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lambda seconds: None,
-            report=lambda name, value: None, make_drafter=None) -> None:
+            report=lambda name, value: None, make_drafter=None, hooks=None) -> None:
     """Rows decoded ``batch_size`` at once (`mtp_engine.decoder`): as one
     finishes, the next joins; a prompt's completions share its prefill. If
     a whole batch fails, its rows are redone in batches of their own, and
@@ -626,7 +629,7 @@ def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lamb
     prompt is."""
     warm = config.warm_up or (config.warm_up is None and mx.default_device() != mx.cpu)
     # a warm-up meets the step shapes of row-count buckets (finished rows keep their places down to a bucket)
-    decoder = Decoder(engine, config.decode_config(), drafter=make_drafter() if make_drafter else None,
+    decoder = Decoder(engine, config.decode_config(), hooks, drafter=make_drafter() if make_drafter else None,
                       buckets=warm)
     prefixes = None
     if config.prefix_sharing:

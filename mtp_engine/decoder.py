@@ -519,7 +519,7 @@ class Decoder:
                 self._map_ahead(lambda a: mx.concatenate([a, a[:1]]))  # a place, unread (not fed)
             self.hooks.lap("join", states=self.caches)
             if self.drafter is not None:
-                self.drafter.add_row(slot, hidden, q.prompt[1:] + [x], key)
+                self.drafter.add_row(slot, hidden, q.prompt[1:] + [x], key, q.prefix)
                 self.hooks.lap("head_prefill")
         return finished
 

@@ -20,6 +20,7 @@ import mlx.core as mx
 from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.constraints import Constraint, Grammars, tokenizer_json
 from mtp_engine.decoder import Decoder
+from mtp_engine.drafters.head import head_prefill
 from mtp_engine.drafters.select import DrafterParts, build_drafters, make_drafter, pick
 from mtp_engine.kernels import cpu_blas
 from mtp_engine.model.family import language_model, lm_head_module
@@ -143,7 +144,10 @@ class MTPEngine:
         caches = make_main_cache(self.model)
         hidden, _ = self.prefill(ids, caches, keep_hidden=True)
         mx.eval([c.state for c in caches])
-        return PrefixState(tuple(ids), caches, hidden, cache_bytes(caches) + hidden.nbytes)
+        head = head_prefill(self.checkpoint.head, self.text.model.embed_tokens, hidden, ids[1:],
+                            self.prefill_step_size)
+        nbytes = cache_bytes(caches) + hidden.nbytes + sum(a.nbytes for c in head for a in c.state if a is not None)
+        return PrefixState(tuple(ids), caches, hidden, nbytes, head)
 
     # -- generation ------------------------------------------------------------
 

@@ -4,10 +4,13 @@ A `PrefixState` holds what a prompt's first ``L`` tokens leave behind: the
 trunk's caches after them (attention keys and values, and each gated-delta
 layer's conv window and recurrent state at exactly that boundary: the
 recurrent state cannot be trimmed, so a prefix is reusable only for prompts
-that continue it token for token) and the trunk's hiddens over them, which
-the MTP head consumes with the row's own tokens when the row joins. A row
+that continue it token for token), the trunk's hiddens over them, and the
+MTP head's caches after its first ``L - 1`` pairs (hidden ``j`` with token
+``j + 1``: the pair at ``L - 1`` takes the row's own first token). A row
 whose prompt starts with the prefix prefills only its suffix, into a copy
-of the caches (`copy_caches`); the prefix's own caches are never written.
+of the caches (`copy_caches`), and the MLX head consumes only the pairs
+after the prefix's, from a copy of its caches; the prefix's own caches are
+never written.
 
 The prefix is prefilled as a prompt of its own (chunks, its last token
 alone), so a row's prefill is split at the prefix's end: a boundary plain
@@ -36,12 +39,15 @@ class PrefixState:
         caches: The trunk's caches after them (never written after this).
         hidden: The trunk's final-normed hiddens over them, ``[1, L, dim]``.
         nbytes: Bytes held by the caches and hiddens.
+        head: The MTP head's batch-of-one caches after the pairs
+            ``(hidden[0, j], tokens[j + 1])``, ``j < L - 1`` (never written).
     """
 
     tokens: tuple[int, ...]
     caches: list
     hidden: mx.array
     nbytes: int
+    head: list | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)

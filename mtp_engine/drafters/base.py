@@ -57,9 +57,10 @@ class Drafter(Protocol):
     modes: frozenset[str]
     rows: int
 
-    def add_row(self, slot: int | None, prompt_hidden: mx.array, pairs: list[int], key=None) -> None:
+    def add_row(self, slot: int | None, prompt_hidden: mx.array, pairs: list[int], key=None, prefix=None) -> None:
         """A row joins (at the end, or in place of row ``slot``, one that
-        left) with its prompt's pairs ``(prompt_hidden[0, j], pairs[j])``."""
+        left) with its prompt's pairs ``(prompt_hidden[0, j], pairs[j])``;
+        ``prefix``: the `PrefixState` its prompt starts with, if any."""
 
     def filter(self, rows: list[int]) -> None:
         """Keep only these rows, in this order."""

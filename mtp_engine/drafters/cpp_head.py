@@ -93,9 +93,10 @@ class CppDrafter:
     def rows(self) -> int:
         return len(self.states)
 
-    def add_row(self, slot: int | None, prompt_hidden: mx.array, pairs: list[int], key=None) -> None:
+    def add_row(self, slot: int | None, prompt_hidden: mx.array, pairs: list[int], key=None, prefix=None) -> None:
         """A joining row: the C++ head reads its prompt's pairs straight from
-        ``prompt_hidden`` in its first draft."""
+        ``prompt_hidden`` in its first draft (all of them: a prefix's head
+        caches are the MLX head's)."""
         if prompt_hidden.shape[1] < len(pairs):
             raise ValueError(f"{prompt_hidden.shape[1]} hiddens for {len(pairs)} tokens")
         row = CppRow(self.head.session(), [(prompt_hidden, 0, list(pairs))])

@@ -50,6 +50,23 @@ class _Pending:
     counts: list[int]
 
 
+def head_prefill(head: MTPHead, embed: nn.Module, hidden: mx.array, tokens: list[int], step: int,
+                 start: list[BatchKVCache] | None = None) -> list[BatchKVCache]:
+    """The head's batch-of-one caches after it consumed the pairs
+    ``(hidden[0, j], tokens[j])``, ``step`` pairs a forward; ``start``: caches
+    after the first of them (a `PrefixState`'s), copied and continued."""
+    own = [c.take([0]) for c in start] if start is not None else [BatchKVCache(1) for _ in head.layers]
+    done = own[0].positions[0]
+    if done > len(tokens):
+        raise ValueError(f"a head state of {done} pairs for a prompt of {len(tokens)}")
+    ids = mx.array(tokens[done:], dtype=mx.int32)[None]
+    for s in range(done, len(tokens), step):
+        e = min(s + step, len(tokens))
+        head(hidden[:, s:e], embed(ids[:, s - done : e - done]), own)
+        mx.eval([c.state for c in own])
+    return own
+
+
 class HeadDrafter:
     """The MLX head drafting for rows (the `mtp_engine.drafters.base.Drafter` interface).
 
@@ -83,16 +100,14 @@ class HeadDrafter:
 
     # -- rows joining and leaving -------------------------------------------
 
-    def add_row(self, slot: int | None, prompt_hidden: mx.array, tokens: list[int], key=None) -> None:
-        """The head consumes the joining row's prompt pairs but the last, which stays pending."""
+    def add_row(self, slot: int | None, prompt_hidden: mx.array, tokens: list[int], key=None, prefix=None) -> None:
+        """The head consumes the joining row's prompt pairs but the last, which
+        stays pending; those a `PrefixState` ``prefix`` covers come from a copy
+        of its head caches."""
         self._merge()
-        own = [BatchKVCache(1) for _ in self.head.layers]
         n = len(tokens) - 1
-        ids = mx.array(tokens[:-1])[None]
-        for start in range(0, n, self.prefill_step_size):
-            end = min(start + self.prefill_step_size, n)
-            self.head(prompt_hidden[:, start:end], self.embed(ids[:, start:end]), own)
-            mx.eval([c.state for c in own])
+        own = head_prefill(self.head, self.embed, prompt_hidden, tokens[:n], self.prefill_step_size,
+                           prefix.head if prefix is not None else None)
         last = prompt_hidden[:, n : n + 1]
         if slot is None:
             for c, o in zip(self.cache, own):

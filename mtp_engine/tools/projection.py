@@ -115,8 +115,8 @@ class ProjectingDrafter:
     def rows(self) -> int:
         return self.inner.rows
 
-    def add_row(self, slot, prompt_hidden, pairs, key=None) -> None:
-        self.inner.add_row(slot, prompt_hidden, pairs, key)
+    def add_row(self, slot, prompt_hidden, pairs, key=None, prefix=None) -> None:
+        self.inner.add_row(slot, prompt_hidden, pairs, key, prefix)
         if slot is None:
             self.keys.append(key)
         else:

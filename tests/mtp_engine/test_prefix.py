@@ -13,8 +13,10 @@ import pytest
 
 from mtp_engine import MTPEngine
 from mtp_engine.decoder import Decoder
+from mtp_engine.drafters.head import head_prefill
 from mtp_engine.io.tiny import tiny_config
 from mtp_engine.modes import DecodeConfig
+from mtp_engine.prefix import copy_caches
 from mtp_engine.sampling import SamplingParams
 from tests.conftest import PROMPTS
 from tests.mtp_engine.test_sampling import PlainSampler, assert_same_or_near_tie
@@ -39,7 +41,7 @@ def _arrays(prefix) -> list[mx.array]:
     out = []
     for c in prefix.caches:
         out += [a for a in c.cache] if hasattr(c, "cache") else [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]]
-    return out
+    return out + [a for c in prefix.head for a in c.state]
 
 
 def _prompts(engine) -> tuple[list[int], list[list[int]]]:
@@ -71,6 +73,27 @@ def test_rows_from_a_prefix_equal_plain_decoding_of_the_whole_prompt(held_out):
             assert_same_or_near_tie(f"{name} batched {mode} row {i}", results[i], references[i], p)
     after = _arrays(prefix)
     assert len(before) == len(after) and all(mx.array_equal(a, b).item() for a, b in zip(before, after))
+
+
+def test_the_head_goes_on_from_the_prefix_as_from_the_whole_prompt(tiny_engine):
+    """A row from a prefix feeds the MLX head only its own pairs: the head's
+    caches then hold what consuming the whole prompt leaves."""
+    engine = tiny_engine
+    system, prompts = _prompts(engine)
+    prefix = engine.prefill_prefix(system)
+    assert [c.positions for c in prefix.head] == [[len(system) - 1]] * len(prefix.head)
+    ids = prompts[0]
+    own, _ = engine.prefill(ids[len(system):], copy_caches(prefix.caches), keep_hidden=True)
+    hidden = mx.concatenate([prefix.hidden, own], axis=1)  # as a joining row's
+    head, embed = engine.checkpoint.head, engine.text.model.embed_tokens
+    whole = head_prefill(head, embed, hidden, ids[1:], engine.prefill_step_size)
+    resumed = head_prefill(head, embed, hidden, ids[1:], engine.prefill_step_size, prefix.head)
+    for a, b in zip(whole, resumed):
+        assert a.positions == b.positions == [len(ids) - 1]
+        assert mx.allclose(a.keys[..., : a.idx, :], b.keys[..., : b.idx, :], atol=1e-5).item()
+        assert mx.allclose(a.values[..., : a.idx, :], b.values[..., : b.idx, :], atol=1e-5).item()
+    with pytest.raises(ValueError, match="head state of"):  # a prefix longer than the row's pairs
+        head_prefill(head, embed, hidden, ids[1:10], engine.prefill_step_size, prefix.head)
 
 
 def test_a_prompt_that_does_not_continue_the_prefix_is_named(tiny_engine):
