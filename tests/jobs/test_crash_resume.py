@@ -171,6 +171,21 @@ def sampled_rows(folder: Path) -> dict:
     return {(r["id"], r["sample"]): (r["completion"], r["seed"], r["finish_reason"]) for r in ds}
 
 
+def killed_twice_then_finished(cmd, output: Path, expected: dict, shards: int) -> str:
+    """Run a sampled job killed inside a commit, then after ``shards`` more
+    shards, then to the end: every row in the folder at each point is the
+    expected one. Returns the last run's log."""
+    for step in (dict(crash_at="ledger_appended:2"), dict(kill_after_shards=shards)):
+        code, log = run_until_killed(cmd, output, **step)
+        assert code == -signal.SIGKILL, f"{step}: expected a SIGKILL, got {code}\n{log}"
+        partial = sampled_rows(output)
+        assert 0 < len(partial) < len(expected)
+        assert all(row == expected[key] for key, row in partial.items())
+    code, log = run_until_killed(cmd, output)
+    assert code == 0, log
+    return log
+
+
 def test_sampled_job_killed_and_resumed_equals_uninterrupted_and_baseline(tmp_path, job_model, job_engine):
     """T = 0.8, n = 4 over the first 60 prompts of examples/prompts.jsonl
     (five shards of rows): a chain-mode job killed twice and resumed writes
@@ -193,12 +208,29 @@ def test_sampled_job_killed_and_resumed_equals_uninterrupted_and_baseline(tmp_pa
     cmd = [sys.executable, "-m", "jobs", "generate", "--dataset", str(dataset), "--model", str(job_model),
            "--output", str(output), "--mode", "chain", "--batch-size", "16", "--draft-tokens", "3",
            "--temperature", "0.8", "--n", "4", "--max-tokens", "12", "--rows-per-shard", "50"]
-    for step in (dict(crash_at="ledger_appended:2"), dict(kill_after_shards=2)):
-        code, log = run_until_killed(cmd, output, **step)
-        assert code == -signal.SIGKILL, f"{step}: expected a SIGKILL, got {code}\n{log}"
-        partial = sampled_rows(output)
-        assert 0 < len(partial) < len(expected)
-        assert all(row == expected[key] for key, row in partial.items())
-    code, log = run_until_killed(cmd, output)
-    assert code == 0, log
+    killed_twice_then_finished(cmd, output, expected, shards=2)
+    assert sampled_rows(output) == expected
+
+
+def test_prefix_sharing_job_killed_and_resumed_equals_the_job_without_sharing(tmp_path, job_model, job_engine):
+    """Rows of two shared system prompts, T = 0.8, n = 2, batched chains
+    (the MLX head drafts sampled rows, from each prefix's head caches): a
+    job killed twice and resumed rebuilds its prefixes and writes the rows
+    the same job writes with prefix sharing off."""
+    from jobs.prefix_data import make_rows
+
+    dataset = write_jsonl(tmp_path / "in.jsonl", make_rows(24, 120, (4, 12), prefixes=2, seed=5))
+    sampling = dict(temperature=0.8, n=2, max_tokens=8, rows_per_shard=6, batch_size=8, draft_tokens=2)
+    off = tmp_path / "off"
+    run_job(job_config(dataset, job_model, off, prefix_sharing=False, **sampling), engine=job_engine)
+    expected = sampled_rows(off)
+    assert len(expected) == 48
+
+    output = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "jobs", "generate", "--dataset", str(dataset), "--model", str(job_model),
+           "--output", str(output), "--mode", "chain", "--batch-size", "8", "--draft-tokens", "2",
+           "--temperature", "0.8", "--n", "2", "--max-tokens", "8", "--rows-per-shard", "6",
+           "--prefix-min-tokens", "64"]
+    log = killed_twice_then_finished(cmd, output, expected, shards=1)
+    assert "rows started from a shared prefix" in log, log
     assert sampled_rows(output) == expected

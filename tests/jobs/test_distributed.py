@@ -150,3 +150,23 @@ def test_every_rank_stops_when_the_folder_is_refused(tmp_path, job_model, job_en
     assert "rank 0 could not open" in text, text  # rank 1 says who failed
     codes = dict(re.findall(r"rank (\d) exited with code (-?\d+)", text))
     assert set(codes) == {"0", "1"} and set(codes.values()) <= {"1", "-15"} and "1" in codes.values(), text
+
+
+def test_two_ranks_share_prefixes_within_each_rank_and_write_the_rows_of_one_process(tmp_path, job_model,
+                                                                                    job_engine):
+    """Rows of two shared system prompts split over two ranks: each rank
+    prefills the prefixes its rows need and starts the rest from them, and
+    the folder holds the rows one process writes with prefix sharing off."""
+    from jobs.prefix_data import make_rows
+
+    dataset = write_jsonl(tmp_path / "in.jsonl", make_rows(24, 120, (4, 12), prefixes=2, seed=7))
+    reference = tmp_path / "reference"
+    run_job(job_config(dataset, job_model, reference, rows_per_shard=2, prefix_sharing=False), engine=job_engine)
+    out = tmp_path / "out"
+    proc = subprocess.run(launch_cmd(2, dataset, job_model, out, 52500) + ["--prefix-min-tokens", "64"], cwd=ROOT,
+                          capture_output=True, timeout=300)
+    text = proc.stdout.decode() + proc.stderr.decode()
+    assert proc.returncode == 0, text
+    assert rows_by_id(out) == rows_by_id(reference)
+    served = re.findall(r"\[rank (\d)/2\] prefixes: (\d+) rows started from a shared prefix", text)
+    assert {rank for rank, _ in served} == {"0", "1"} and all(int(n) > 0 for _, n in served), text
