@@ -177,7 +177,7 @@ def _describe(phases: dict) -> str:
 
 def _phases(timer: PhaseTimer, wall: float) -> dict:
     """Seconds per decoder phase, and the job's time outside them ("other":
-    reading, warm-up, the head's drafts' setup, shards and views)."""
+    reading rows, the warm-up, prefixes prefilled, shards and views)."""
     phases = {p: round(timer.seconds.get(p, 0.0), 3) for p in PHASES}
     return {**phases, "other": round(wall - sum(phases.values()), 3)}
 
