@@ -146,8 +146,11 @@ class MTPEngine:
         mx.eval([c.state for c in caches])
         head = head_prefill(self.checkpoint.head, self.text.model.embed_tokens, hidden, ids[1:],
                             self.prefill_step_size)
+        session = self.drafters.cpp.session() if self.drafters.cpp is not None and len(ids) > 1 else None
+        if session is not None:
+            session.logits(hidden, ids[1:])  # the C++ head consumes the same pairs
         nbytes = cache_bytes(caches) + hidden.nbytes + sum(a.nbytes for c in head for a in c.state if a is not None)
-        return PrefixState(tuple(ids), caches, hidden, nbytes, head)
+        return PrefixState(tuple(ids), caches, hidden, nbytes + (session.nbytes if session else 0), head, session)
 
     # -- generation ------------------------------------------------------------
 

@@ -6,11 +6,11 @@ layer's conv window and recurrent state at exactly that boundary: the
 recurrent state cannot be trimmed, so a prefix is reusable only for prompts
 that continue it token for token), the trunk's hiddens over them, and the
 MTP head's caches after its first ``L - 1`` pairs (hidden ``j`` with token
-``j + 1``: the pair at ``L - 1`` takes the row's own first token). A row
-whose prompt starts with the prefix prefills only its suffix, into a copy
-of the caches (`copy_caches`), and the MLX head consumes only the pairs
-after the prefix's, from a copy of its caches; the prefix's own caches are
-never written.
+``j + 1``: the pair at ``L - 1`` takes the row's own first token), the MLX
+head's and, where there is one, the C++ head's. A row whose prompt starts
+with the prefix prefills only its suffix, into a copy of the caches
+(`copy_caches`), and the head consumes only the pairs after the prefix's,
+from a copy of its state; the prefix's own caches are never written.
 
 The prefix is prefilled as a prompt of its own (chunks, its last token
 alone), so a row's prefill is split at the prefix's end: a boundary plain
@@ -41,6 +41,8 @@ class PrefixState:
         nbytes: Bytes held by the caches and hiddens.
         head: The MTP head's batch-of-one caches after the pairs
             ``(hidden[0, j], tokens[j + 1])``, ``j < L - 1`` (never written).
+        head_session: The C++ head's session after the same pairs, where
+            the engine has the C++ head (rows start from copies of it).
     """
 
     tokens: tuple[int, ...]
@@ -48,6 +50,7 @@ class PrefixState:
     hidden: mx.array
     nbytes: int
     head: list | None = None
+    head_session: object | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -114,6 +114,17 @@ class DraftSession : public std::enable_shared_from_this<DraftSession> {
 
   int offset() const { return offset_; }
 
+  // A new session holding this one's entries (a shared prefix's head state,
+  // copied for each row that starts from it).
+  std::shared_ptr<DraftSession> copy() const { return std::make_shared<DraftSession>(*this); }
+
+  // Bytes its entries take.
+  size_t nbytes() const {
+    size_t n = 0;
+    for (size_t l = 0; l < keys_.size(); l++) n += keys_[l].size() + values_[l].size();
+    return n * sizeof(float);
+  }
+
   // Run rows (hidden[r], token[r]) at the next positions; write the head's
   // normed hidden of the last row to `m` and its logits to `logits`.
   void forward(const float* hidden, const std::vector<int>& tokens, float* m, float* logits);
@@ -708,6 +719,8 @@ NB_MODULE(_mtp_cpp_drafter, m) {
       .def_rw("norm_topk", &mtp::HeadConfig::norm_topk);
   nb::class_<mtp::DraftSession>(m, "DraftSession")
       .def_prop_ro("offset", &mtp::DraftSession::offset)
+      .def_prop_ro("nbytes", &mtp::DraftSession::nbytes)
+      .def("copy", &mtp::DraftSession::copy)
       .def("rewind", &mtp::DraftSession::rewind, "offset"_a)
       .def("draft", &mtp::DraftSession::draft, "hidden"_a, "tokens"_a, "k"_a, "tau"_a = 0.0f, "row"_a = 0)
       .def("logits", &mtp::DraftSession::logits, "hidden"_a, "tokens"_a, "row"_a = 0)

@@ -95,11 +95,14 @@ class CppDrafter:
 
     def add_row(self, slot: int | None, prompt_hidden: mx.array, pairs: list[int], key=None, prefix=None) -> None:
         """A joining row: the C++ head reads its prompt's pairs straight from
-        ``prompt_hidden`` in its first draft (all of them: a prefix's head
-        caches are the MLX head's)."""
+        ``prompt_hidden`` in its first draft, those a `PrefixState` ``prefix``
+        covers from a copy of its session."""
         if prompt_hidden.shape[1] < len(pairs):
             raise ValueError(f"{prompt_hidden.shape[1]} hiddens for {len(pairs)} tokens")
-        row = CppRow(self.head.session(), [(prompt_hidden, 0, list(pairs))])
+        start = prefix.head_session if prefix is not None else None
+        done = start.offset if start is not None else 0
+        row = CppRow(start.copy() if start is not None else self.head.session(),
+                     [(prompt_hidden[:, done:], 0, list(pairs[done:]))], done)
         if slot is None:
             self.states.append(row)
         else:

@@ -76,8 +76,8 @@ def test_rows_from_a_prefix_equal_plain_decoding_of_the_whole_prompt(held_out):
 
 
 def test_the_head_goes_on_from_the_prefix_as_from_the_whole_prompt(tiny_engine):
-    """A row from a prefix feeds the MLX head only its own pairs: the head's
-    caches then hold what consuming the whole prompt leaves."""
+    """A row from a prefix feeds the head (MLX, and C++ where built) only its
+    own pairs: its state then is what consuming the whole prompt leaves."""
     engine = tiny_engine
     system, prompts = _prompts(engine)
     prefix = engine.prefill_prefix(system)
@@ -94,6 +94,13 @@ def test_the_head_goes_on_from_the_prefix_as_from_the_whole_prompt(tiny_engine):
         assert mx.allclose(a.values[..., : a.idx, :], b.values[..., : b.idx, :], atol=1e-5).item()
     with pytest.raises(ValueError, match="head state of"):  # a prefix longer than the row's pairs
         head_prefill(head, embed, hidden, ids[1:10], engine.prefill_step_size, prefix.head)
+    cpp, n = engine.drafters.cpp, len(system) - 1
+    if cpp is not None:  # the C++ head: a copy of the prefix's session goes on as a whole prompt's session
+        whole, resumed = cpp.session(), prefix.head_session.copy()
+        _, expected = whole.logits(hidden, ids[1:])
+        _, got = resumed.logits(hidden[:, n:], ids[1 + n :])
+        assert whole.offset == resumed.offset == len(ids) - 1 and prefix.head_session.offset == n
+        assert mx.allclose(mx.array(got), mx.array(expected), atol=1e-4).item()
 
 
 def test_a_prompt_that_does_not_continue_the_prefix_is_named(tiny_engine):
