@@ -149,8 +149,8 @@ class MTPEngine:
         session = self.drafters.cpp.session() if self.drafters.cpp is not None and len(ids) > 1 else None
         if session is not None:
             session.logits(hidden, ids[1:])  # the C++ head consumes the same pairs
-        nbytes = cache_bytes(caches) + hidden.nbytes + sum(a.nbytes for c in head for a in c.state if a is not None)
-        return PrefixState(tuple(ids), caches, hidden, nbytes + (session.nbytes if session else 0), head, session)
+        nbytes = cache_bytes(caches + head) + hidden.nbytes + (session.nbytes if session is not None else 0)
+        return PrefixState(tuple(ids), caches, hidden, nbytes, head, session)
 
     # -- generation ------------------------------------------------------------
 

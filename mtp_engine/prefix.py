@@ -38,7 +38,7 @@ class PrefixState:
         tokens: The prefix's token ids.
         caches: The trunk's caches after them (never written after this).
         hidden: The trunk's final-normed hiddens over them, ``[1, L, dim]``.
-        nbytes: Bytes held by the caches and hiddens.
+        nbytes: Bytes held by the caches, hiddens and head states.
         head: The MTP head's batch-of-one caches after the pairs
             ``(hidden[0, j], tokens[j + 1])``, ``j < L - 1`` (never written).
         head_session: The C++ head's session after the same pairs, where
