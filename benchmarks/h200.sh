@@ -19,13 +19,15 @@
 #                                      # batched chain K=3 at B=32, greedy and T=0.7 (python -m jobs.bench) -> h200-job.json
 #   bash benchmarks/h200.sh job-80b    # the runner end to end on Qwen3-Next-80B-A3B shapes (random 4-bit weights,
 #                                      # generated 1K-token prompts x 256 new tokens, drafts projected at 0.93,0.82,0.64):
-#                                      # plain batching vs auto; 64 prompts at B=32, 2 rounds; job-80b-b8: 32 at B=8;
+#                                      # plain batching vs auto; 64 prompts at B=32, 2 rounds; job-80b-b8: 32 at B=8, 2 rounds;
 #                                      # job-80b-sampled: T=0.8; job-80b-weak: profile 0.70,0.45,0.27; job-80b-falling:
 #                                      # 32 prompts x 1024 tokens, 0.70,0.45,0.27 from token 512 on; job-80b-prefix: 32
 #                                      # rows sharing a 2K-token system prompt (64-256-token suffixes), plain batching
 #                                      # and auto, prefix sharing off and on, 2 rounds (~250 s; compare round 2: a
 #                                      # process's first job pays its kernel compiles) (one call each)
-#                                      # -> GPU-job-80b*.json (GPU: h200 or h100)
+#                                      # -> GPU-job-80b*.json (GPU: h200 or h100). For job and job-80b*: MODES="..."
+#                                      # picks the modes (jobs.bench --modes), TEMPS="..." job's temperatures,
+#                                      # EXTRA="..." more jobs.bench arguments (e.g. --phase-times)
 #   bash benchmarks/h200.sh 80b        # Qwen3-Next-80B-A3B shapes, random 4-bit weights, 1K-token prompts x 128 new
 #   bash benchmarks/h200.sh 80b-b8     # tokens, drafts projected at profile 0.93,0.82,0.64: B=32; B=8; single chains
 #   bash benchmarks/h200.sh 80b-depths # K=3..8 (one call each) -> h200-80b.json, h200-80b-b8.json, h200-80b-depths.json
@@ -83,7 +85,8 @@ case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audi
       --json "$out/$gpu-lossless.json" 2>&1 | tail -20 ;;
   job)
     timeout "${LIMIT:-560}" python3 -u -m jobs.bench --dataset examples/prompts.jsonl --limit 64 --max-tokens 96 \
-      --modes baseline auto chain:3 --rounds 2 --batch-size 32 --temperatures 0 0.7 --json "$out/$gpu-job.json" ;;
+      --modes ${MODES:-baseline auto chain:3} --rounds 2 --batch-size 32 --temperatures ${TEMPS:-0 0.7} ${EXTRA:-} \
+      --json "$out/$gpu-job.json" ;;
   audit)
     # A 64-row job of the shipped model (bfloat16) in every mode (plain batching too), each folder audited against plain
     # decoding (python -m jobs audit; --logprobs 0 keeps the token ids, so the audit finds where tokens part, not only
@@ -95,10 +98,10 @@ case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audi
         | grep -v ": identical" | tee -a "$out/$gpu-audit.log" | tail -1
     done ;;
   job-80b|job-80b-b8|job-80b-sampled|job-80b-weak|job-80b-falling|job-80b-prefix)
-    profile=0.93,0.82,0.64; args="--prompts 64 --batch-size 32"; rounds=1; modes="baseline auto"
+    profile=0.93,0.82,0.64; args="--prompts 64 --batch-size 32"; rounds=1; modes=${MODES:-baseline auto}
     case "$1" in
       job-80b) rounds=2 ;;
-      job-80b-b8) args="--prompts 32 --batch-size 8" ;;
+      job-80b-b8) args="--prompts 32 --batch-size 8"; rounds=2 ;;
       job-80b-sampled) args="$args --temperatures 0.8" ;;
       job-80b-weak) profile=0.70,0.45,0.27 ;;
       job-80b-falling) args="--prompts 32 --batch-size 32 --profile-after 512:0.70,0.45,0.27 --max-tokens 1024" ;;
@@ -106,7 +109,7 @@ case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audi
         modes="baseline,prefix_sharing=false baseline auto,prefix_sharing=false auto" ;;
     esac
     timeout "${LIMIT:-560}" python3 -u -m jobs.bench --synthetic 80b --prompt-tokens 1024 --max-tokens 256 \
-      --modes $modes --rounds $rounds --acceptance-profile $profile $args --json "$out/$gpu-$1.json" ;;
+      --modes $modes --rounds $rounds --acceptance-profile $profile $args ${EXTRA:-} --json "$out/$gpu-$1.json" ;;
   80b|80b-b8|80b-depths|80b-phases|80b-8k)
     # The issue's target settings: prompts of 1K tokens x 128 new tokens, drafts projected at profile
     # 0.93,0.82,0.64. 80b: 32 prompts at B=32, K=3 and auto (~210 s); 80b-b8: 16 prompts at B=8 (~140 s); the batched

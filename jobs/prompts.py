@@ -28,7 +28,7 @@ from jobs import openai_batch
 from jobs.config import MAX_N, JobConfig
 from jobs.readers import SourceRow
 from mtp_engine.constraints import Constraint, ConstraintError, from_fields, validate
-from mtp_engine.sampling import MAX_LOGPROBS, SamplingParams
+from mtp_engine.sampling import SamplingParams, check_logprobs
 
 SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
                       "frequency_penalty")
@@ -247,11 +247,10 @@ class Preparer:
         sampling, n = self._sampling(data)
         if isinstance(sampling, str):
             return self._error(row, rid, "invalid_field", sampling, prompt, chat)
-        logprobs = data.get("logprobs", self.config.logprobs)
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or not 0 <= logprobs <= MAX_LOGPROBS):
-            return self._error(row, rid, "invalid_field", f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got "
-                               f"{logprobs!r}", prompt, chat)
+        try:
+            logprobs = check_logprobs(data.get("logprobs", self.config.logprobs))
+        except ValueError as e:
+            return self._error(row, rid, "invalid_field", str(e), prompt, chat)
 
         constraint = self._constraint(data)
         if isinstance(constraint, str):

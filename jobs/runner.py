@@ -651,7 +651,7 @@ def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lamb
         except Exception as e:
             failures += 1
             mx.clear_cache()
-            decoder.drop_all()
+            decoder.close()
             for item, running in list(in_flight.values()):  # the batch was their first try: one retry
                 _alone(engine, config, Work(item.request, tuple(running)), finish, attempts=1)
             in_flight.clear()
@@ -700,7 +700,7 @@ def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lamb
         while decoder.pending and not stop.requested:
             drain_one_step()
         if stop.requested:
-            decoder.drop_all()  # rows in flight are redone on resume
+            decoder.close()  # rows in flight are redone on resume
         if decoder.controller is not None and info is not None:
             info(decoder.controller.describe())
         if prefixes is not None and prefixes.made:

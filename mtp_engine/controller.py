@@ -49,13 +49,35 @@ once (a slow second use of a shape, a position's early misses) is
 measured again rather than kept for the rest of the job.
 
 The controller changes which steps speculate, never a token: every step
-emits what plain decoding would (greedy, exact sampler).
+emits what plain decoding would (greedy, exact sampler). `row_buckets` gives
+the row counts a batch's steps take on a GPU, so the step shapes it prices
+(and `Decoder.warm_up` meets) come from a small set.
 """
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+
+SMALLEST_BUCKET = 32
+"""Rows below which `row_buckets` stops: on a GPU a step's time is flat in
+its rows up to at least 32 (docs/BENCHMARKS.md), so a smaller bucket would
+only add step shapes to warm up."""
+
+
+def row_buckets(size: int) -> list[int]:
+    """The row counts a batch of ``size`` places keeps, finished rows
+    stepping on as ghosts: ``size`` and each quarter of it down to
+    `SMALLEST_BUCKET`. The decoder keeps them on a GPU, where each new step
+    shape has a first-use cost and a kept place costs next to nothing; on
+    the CPU a new shape costs nothing and a kept place costs its share of
+    every step (batched chains 10% slower at B=32: docs/BENCHMARKS.md), so
+    rows leave at once."""
+    buckets = [size]
+    while buckets[-1] // 4 >= SMALLEST_BUCKET:
+        buckets.append(buckets[-1] // 4)
+    return sorted(buckets)
+
 
 PRIOR_WEIGHT = 4.0
 """Pseudo-observations of the batch's rate in a row's estimate."""

@@ -37,30 +37,14 @@ import mlx.core as mx
 from mtp_engine.cache.batch import BatchKVCache, append_row, filter_rows, make_batch_cache, replace_row, trim_leading
 from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.constraints import Constraint, RowGrammar, constrain, masks_of
-from mtp_engine.controller import Controller, RowAcceptance
+from mtp_engine.controller import Controller, RowAcceptance, row_buckets
 from mtp_engine.drafters.select import GREEDY_ONLY, greedy_only
 from mtp_engine.modes import CHAINS, DecodeConfig
 from mtp_engine.prefix import PrefixState, copy_caches
-from mtp_engine.sampling import MAX_LOGPROBS, SamplingParams, apply_penalties, choose, token_logprobs, top_logits
+from mtp_engine.sampling import SamplingParams, apply_penalties, check_logprobs, choose, token_logprobs, top_logits
 from mtp_engine.stopping import Finisher, stop_list
 from mtp_engine.verify import verify
 from schemas.records import GenerationResult, GenerationStats, StepTrace
-
-SMALLEST_BUCKET = 32
-"""Rows below which `row_buckets` stops: on a GPU a step's time is flat in
-its rows up to at least 32 (docs/BENCHMARKS.md), so a smaller bucket would
-only add step shapes to warm up."""
-
-
-def row_buckets(size: int) -> list[int]:
-    """The row counts a batch of ``size`` places keeps, finished rows
-    stepping on as ghosts: ``size`` and each quarter of it down to
-    `SMALLEST_BUCKET`."""
-    buckets = [size]
-    while buckets[-1] // 4 >= SMALLEST_BUCKET:
-        buckets.append(buckets[-1] // 4)
-    return sorted(buckets)
-
 
 class Hooks:
     """Where a benchmark may look inside a step (the decoder calls these;
@@ -117,12 +101,8 @@ class Decoder:
         drafter: A drafter object to use instead of the one ``decode``
             names (benchmarks wrap one: `mtp_engine.tools.projection`).
         buckets: Whether finished rows keep their places down to a bucket
-            of rows (`buckets`: True for `row_buckets`, or the row counts).
-            Default: on a GPU, where each new step shape has a first-use
-            cost and a kept place costs next to nothing; on the CPU a new
-            shape costs nothing and a kept place costs its share of every
-            step (batched chains 10% slower at B=32 there:
-            docs/BENCHMARKS.md), so rows leave at once.
+            of rows: True for `row_buckets`, or the row counts. Default:
+            on a GPU only (`row_buckets` says why).
 
     Use `add` to queue prompts and call `step` until `pending` is 0; each
     step returns the ``((key, sample), result)`` pairs that finished.
@@ -193,9 +173,7 @@ class Decoder:
             engine.pick_drafter(mode, self.decode.drafter, plain_greedy)
         elif self.k and self.drafter.name in GREEDY_ONLY and not plain_greedy:
             raise greedy_only(self.drafter.name)
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                     or not 0 <= logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {logprobs!r}")
+        check_logprobs(logprobs)
         if prefix is not None and not prefix.continues(ids):
             raise ValueError(f"the prompt ({len(ids)} tokens) does not start with the prefix's {len(prefix)} tokens "
                              "and go on past them")
@@ -227,14 +205,12 @@ class Decoder:
         mx.clear_cache()
         return time.perf_counter() - t0, len(shapes)
 
-    def drop_all(self) -> list[Hashable]:
+    def close(self) -> list[Hashable]:
         """Abandon every row queued or in flight; return their keys."""
         keys = [r.key for r in self.rows if not r.ghost] + [q.key for q in self.queue]
         self._keep([])
         self.queue = []
         return keys
-
-    close = drop_all
 
     # -- a step ---------------------------------------------------------------
 
@@ -300,17 +276,7 @@ class Decoder:
                 continue
             w = v.winners[b]
             mine = paths_of[b]
-            s = row.stats
-            s.steps += 1
-            s.drafted += len(v.paths[w])
-            s.accepted += v.accepted[w]
-            s.histogram[v.accepted[w]] += 1
-            s.row_wins[mine.index(w)] += 1
-            s.rescued += mine.index(w) > 0
-            s.draft_s += t1 - t0
-            s.verify_s += t2 - t1
-            if s.depths:
-                s.depths[len(v.paths[w])] += 1
+            row.stats.count_step(len(v.paths[w]), v.accepted[w], mine.index(w), t1 - t0, t2 - t1)
             if row.trace is not None:
                 row.trace.append(StepTrace([v.paths[i] for i in mine], v.accepted[w], mine.index(w), tokens,
                                            top_logits(v.logits[w, : len(tokens)])))
@@ -376,12 +342,7 @@ class Decoder:
                 row.x = tokens[b][0]
                 if row.ghost:
                     continue
-                s = row.stats
-                s.steps += 1
-                if s.depths:  # mode auto: a step of no drafts
-                    s.depths[0] += 1
-                    s.histogram[0] += 1
-                    s.row_wins[0] += 1
+                row.stats.count_step(0, 0)
                 if row.trace is not None and self._ahead_logits is not None:
                     row.trace.append(StepTrace([[]], 0, 0, tokens[b], top_logits(self._ahead_logits[b])))
                 self._emit(row, tokens[b])

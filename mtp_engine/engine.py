@@ -17,10 +17,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.constraints import Constraint, Grammars, tokenizer_json
 from mtp_engine.decoder import Decoder
-from mtp_engine.drafters.head import head_prefill
 from mtp_engine.drafters.select import DrafterParts, build_drafters, make_drafter, pick
 from mtp_engine.kernels import cpu_blas
 from mtp_engine.model.family import language_model, lm_head_module
@@ -28,7 +26,7 @@ from mtp_engine.model.loader import LoadedCheckpoint, load_checkpoint
 from mtp_engine.modes import FIELDS as DECODE_FIELDS
 from mtp_engine.modes import DecodeConfig
 from mtp_engine.options import EngineOptions, FastPathStatus
-from mtp_engine.prefix import PrefixState, cache_bytes
+from mtp_engine.prefix import PrefixState, build_prefix
 from mtp_engine.backend import apply_process_settings, attention_status
 from mtp_engine.sampling import FIELDS as SAMPLING_FIELDS
 from mtp_engine.sampling import SamplingParams, make_sampling
@@ -140,17 +138,7 @@ class MTPEngine:
         Raises:
             ValueError: An empty prefix, or one that leaves no context.
         """
-        ids = self.check_prompt(self.encode(prefix))
-        caches = make_main_cache(self.model)
-        hidden, _ = self.prefill(ids, caches, keep_hidden=True)
-        mx.eval([c.state for c in caches])
-        head = head_prefill(self.checkpoint.head, self.text.model.embed_tokens, hidden, ids[1:],
-                            self.prefill_step_size)
-        session = self.drafters.cpp.session() if self.drafters.cpp is not None and len(ids) > 1 else None
-        if session is not None:
-            session.logits(hidden, ids[1:])  # the C++ head consumes the same pairs
-        nbytes = cache_bytes(caches + head) + hidden.nbytes + (session.nbytes if session is not None else 0)
-        return PrefixState(tuple(ids), caches, hidden, nbytes, head, session)
+        return build_prefix(self, self.check_prompt(self.encode(prefix)))
 
     # -- generation ------------------------------------------------------------
 

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from mtp_engine.cache.capture import StateCaptureCache
+from mtp_engine.cache.capture import StateCaptureCache, make_main_cache
+from mtp_engine.drafters.head import head_prefill
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,22 @@ class PrefixState:
         row prefills at least one token of its own)."""
         n = len(self.tokens)
         return len(ids) > n and tuple(ids[:n]) == self.tokens
+
+
+def build_prefix(engine, ids: list[int]) -> PrefixState:
+    """The `PrefixState` of ``ids`` (`MTPEngine.prefill_prefix`): prefilled
+    on fresh trunk caches, then the heads' states after its pairs."""
+    caches = make_main_cache(engine.model)
+    hidden, _ = engine.prefill(ids, caches, keep_hidden=True)
+    mx.eval([c.state for c in caches])
+    head = head_prefill(engine.checkpoint.head, engine.text.model.embed_tokens, hidden, ids[1:],
+                        engine.prefill_step_size)
+    cpp = engine.drafters.cpp
+    session = cpp.session() if cpp is not None and len(ids) > 1 else None
+    if session is not None:
+        session.logits(hidden, ids[1:])  # the C++ head consumes the same pairs
+    nbytes = cache_bytes(caches + head) + hidden.nbytes + (session.nbytes if session is not None else 0)
+    return PrefixState(tuple(ids), caches, hidden, nbytes, head, session)
 
 
 def copy_caches(caches: list) -> list:

@@ -227,6 +227,15 @@ MAX_LOGPROBS = 20
 """The most alternatives a token's log-probability comes with."""
 
 
+def check_logprobs(value) -> int | None:
+    """``value`` if it is a ``logprobs`` setting (None, or an int in
+    0..`MAX_LOGPROBS`), else a ValueError naming it."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not 0 <= value <= MAX_LOGPROBS):
+        raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {value!r}")
+    return value
+
+
 def token_logprobs(logits: mx.array, params: list[SamplingParams], tokens: list[list[int]],
                    top: list[int]) -> list[list[tuple[float, list[tuple[int, float]]]]]:
     """Each row's tokens' log-probabilities in the distribution it samples

@@ -60,6 +60,21 @@ class GenerationStats:
     temperature: float = 0.0
     seed: int | None = None
 
+    def count_step(self, drafts: int, accepted: int, path: int = 0, draft_s: float = 0.0,
+                   verify_s: float = 0.0) -> None:
+        """Count a verify step in which the row's winning path (its
+        ``path``-th) carried ``drafts`` drafts and ``accepted`` of them were
+        accepted (a plain step: 0 and 0)."""
+        self.steps += 1
+        self.drafted += drafts
+        self.accepted += accepted
+        self.rescued += path > 0
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+        for counts, index in ((self.histogram, accepted), (self.row_wins, path), (self.depths, drafts)):
+            if counts:
+                counts[index] += 1
+
     @property
     def acceptance_length(self) -> float:
         """Tokens emitted per verify step (1.0 for plain decoding)."""
