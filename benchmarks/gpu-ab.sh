@@ -32,7 +32,8 @@ case "${1:?stage REV or run}" in
         # shellcheck disable=SC2086
         (cd $dir && PYTHONPATH=/root/site:$dir timeout "${LIMIT:-170}" python3 -u -m mtp_engine.bench $args \
           --json $res/ab-$side-$i.json > $res/ab-$side-$i.out 2>&1)
-        echo "$(date +%T) end $side $i rc=$?" >> $res/queue.log
+        rc=$?
+        echo "$(date +%T) end $side $i rc=$rc" >> $res/queue.log
       done
     done
     touch $res/DONE ;;

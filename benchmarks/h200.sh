@@ -106,7 +106,7 @@ case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audi
       job-80b-weak) profile=0.70,0.45,0.27 ;;
       job-80b-falling) args="--prompts 32 --batch-size 32 --profile-after 512:0.70,0.45,0.27 --max-tokens 1024" ;;
       job-80b-prefix) args="--prompts 32 --batch-size 32 --shared-prefix 2048 64 256"; rounds=2
-        modes="baseline,prefix_sharing=false baseline auto,prefix_sharing=false auto" ;;
+        modes=${MODES:-"baseline,prefix_sharing=false baseline auto,prefix_sharing=false auto"} ;;
     esac
     timeout "${LIMIT:-560}" python3 -u -m jobs.bench --synthetic 80b --prompt-tokens 1024 --max-tokens 256 \
       --modes $modes --rounds $rounds --acceptance-profile $profile $args ${EXTRA:-} --json "$out/$gpu-$1.json" ;;
