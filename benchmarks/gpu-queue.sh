@@ -22,11 +22,13 @@ case "${1:?start SUITE... or poll SECONDS}" in
     script=/root/queue.sh
     {
       echo "cd /root/repo; export PYTHONPATH=/root/site:/root/repo OUT=$res"
+      i=0
       for suite in "$@"; do
         read -r name vars <<< "$suite"
-        echo "echo \"\$(date +%T) start $name\" >> $res/queue.log"
-        echo "env $vars bash benchmarks/h200.sh $name > $res/$name.out 2>&1; rc=\$?"
-        echo "echo \"\$(date +%T) end $name rc=\$rc\" >> $res/queue.log"
+        i=$((i + 1))
+        echo "echo \"\$(date +%T) start $i $name $vars\" >> $res/queue.log"
+        echo "env $vars bash benchmarks/h200.sh $name > $res/$i-$name.out 2>&1; rc=\$?"
+        echo "echo \"\$(date +%T) end $i $name rc=\$rc\" >> $res/queue.log"
       done
       echo "tar czf $res/ptx.tgz -C /tmp mlx 2>/dev/null; touch $res/DONE"
     } > "$script"

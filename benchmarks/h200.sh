@@ -27,7 +27,8 @@
 #                                      # process's first job pays its kernel compiles) (one call each)
 #                                      # -> GPU-job-80b*.json (GPU: h200 or h100). For job and job-80b*: MODES="..."
 #                                      # picks the modes (jobs.bench --modes), TEMPS="..." job's temperatures,
-#                                      # EXTRA="..." more jobs.bench arguments (e.g. --phase-times)
+#                                      # EXTRA="..." more jobs.bench arguments (e.g. --phase-times), ROUNDS=N
+#                                      # the rounds, PROMPTS=N (job-80b*) the prompts, TAG=-x a suffix of the file name
 #   bash benchmarks/h200.sh 80b        # Qwen3-Next-80B-A3B shapes, random 4-bit weights, 1K-token prompts x 128 new
 #   bash benchmarks/h200.sh 80b-b8     # tokens, drafts projected at profile 0.93,0.82,0.64: B=32; B=8; single chains
 #   bash benchmarks/h200.sh 80b-depths # K=3..8 (one call each) -> h200-80b.json, h200-80b-b8.json, h200-80b-depths.json
@@ -85,8 +86,8 @@ case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audi
       --json "$out/$gpu-lossless.json" 2>&1 | tail -20 ;;
   job)
     timeout "${LIMIT:-560}" python3 -u -m jobs.bench --dataset examples/prompts.jsonl --limit 64 --max-tokens 96 \
-      --modes ${MODES:-baseline auto chain:3} --rounds 2 --batch-size 32 --temperatures ${TEMPS:-0 0.7} ${EXTRA:-} \
-      --json "$out/$gpu-job.json" ;;
+      --modes ${MODES:-baseline auto chain:3} --rounds ${ROUNDS:-2} --batch-size 32 --temperatures ${TEMPS:-0 0.7} \
+      ${EXTRA:-} --json "$out/$gpu-job${TAG:-}.json" ;;
   audit)
     # A 64-row job of the shipped model (bfloat16) in every mode (plain batching too), each folder audited against plain
     # decoding (python -m jobs audit; --logprobs 0 keeps the token ids, so the audit finds where tokens part, not only
@@ -109,7 +110,8 @@ case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audi
         modes=${MODES:-"baseline,prefix_sharing=false baseline auto,prefix_sharing=false auto"} ;;
     esac
     timeout "${LIMIT:-560}" python3 -u -m jobs.bench --synthetic 80b --prompt-tokens 1024 --max-tokens 256 \
-      --modes $modes --rounds $rounds --acceptance-profile $profile $args ${EXTRA:-} --json "$out/$gpu-$1.json" ;;
+      --modes $modes --rounds ${ROUNDS:-$rounds} --acceptance-profile $profile $args ${PROMPTS:+--prompts $PROMPTS} \
+      ${EXTRA:-} --json "$out/$gpu-$1${TAG:-}.json" ;;
   80b|80b-b8|80b-depths|80b-phases|80b-8k)
     # The issue's target settings: prompts of 1K tokens x 128 new tokens, drafts projected at profile
     # 0.93,0.82,0.64. 80b: 32 prompts at B=32, K=3 and auto (~210 s); 80b-b8: 16 prompts at B=8 (~140 s); the batched

@@ -640,7 +640,9 @@ def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lamb
         seconds, shapes = decoder.warm_up(sampling if sampling.greedy else replace(sampling, seed=0))
         warmed(seconds)
         if info is not None:
-            info(f"warm-up: {shapes} step shapes (rows {', '.join(map(str, decoder.buckets))}) in {seconds:.1f} s")
+            rows = ", ".join(map(str, decoder.buckets))
+            info(f"warm-up: {shapes} step shapes (rows {rows}) in {seconds:.1f} s" if shapes else
+                 f"warm-up: every step shape (rows {rows}) met earlier by this engine; its step costs reused")
     in_flight: dict[str, list] = {}  # id -> [Work, sample indices still running]
     failures = 0
 

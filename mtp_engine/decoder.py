@@ -29,7 +29,7 @@ decoding of its prompt alone: rows never see each other's entries.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Hashable
 
 import mlx.core as mx
@@ -44,6 +44,7 @@ from mtp_engine.prefix import PrefixState, copy_caches
 from mtp_engine.sampling import SamplingParams, apply_penalties, check_logprobs, choose, token_logprobs, top_logits
 from mtp_engine.stopping import Finisher, stop_list
 from mtp_engine.verify import verify
+from mtp_engine.warmup import warm_up
 from schemas.records import GenerationResult, GenerationStats, StepTrace
 
 class Hooks:
@@ -181,29 +182,8 @@ class Decoder:
                                   list(samples), trace, prefix, logprobs, constraint))
 
     def warm_up(self, sampling: SamplingParams) -> tuple[float, int]:
-        """Meet, before the first row, every step shape this decoder takes:
-        for each of `buckets`, rows of a short made-up prompt sampling as
-        ``sampling`` take plain steps and steps of each draft depth the mode
-        uses, each twice, so kernels compile and the controller's costs
-        (mode "auto") start measured. Returns ``(seconds, shapes met)``."""
-        t0 = time.perf_counter()
-        vocab = self.engine.text.args.vocab_size
-        prompt = [(7919 * i + 11) % vocab for i in range(16)]
-        uses = range(self.k + 1) if self.controller is not None else [self.k]  # the mode's draft depths
-        depths = [d for d in uses for _ in range(3 if d == 0 else 2)]  # a plain step's cost counts from its third
-        shapes = set()
-        for size in self.buckets:
-            warm = Decoder(self.engine, replace(self.decode, batch_size=size), buckets=[size])
-            warm.add(None, prompt, [sampling] * size, max_tokens=sum(depths) + len(depths) + 1)
-            for depth in depths:
-                if warm.step(depth) or not warm.live:
-                    break  # a row finished early: its shape is met at the next bucket or in the job
-                shapes.add((size, depth))
-            if self.controller is not None:
-                self.controller.costs.update(warm.controller.costs)
-            warm.close()
-        mx.clear_cache()
-        return time.perf_counter() - t0, len(shapes)
+        """Meet every step shape before the first row (`mtp_engine.warmup`)."""
+        return warm_up(self, sampling)
 
     def close(self) -> list[Hashable]:
         """Abandon every row queued or in flight; return their keys."""

@@ -66,6 +66,7 @@ class MTPEngine:
         self.fast_paths: list[FastPathStatus] = [cpu_blas.status(self.options), *checkpoint.fast_paths,
                                                  *self.drafters.statuses, attention_status()]
         self._grammars: Grammars | None = None  # built when the first constrained row comes
+        self.warmed: dict = {}  # (decode, sampling) settings -> the step costs their warm-up measured (`warmup`)
 
     @classmethod
     def load(

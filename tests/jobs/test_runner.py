@@ -365,7 +365,9 @@ def test_batched_speculation_writes_the_rows_one_at_a_time_writes(tmp_path, job_
 def test_a_warm_up_is_logged_and_reported_as_the_jobs_first_use_cost(tmp_path, job_model, job_engine):
     """On a GPU a job meets its step shapes before the first row (here
     asked for on the CPU); the log says how long it took, the first shard's
-    ledger entry records it and ``jobs status`` reports it."""
+    ledger entry records it and ``jobs status`` reports it. A second job of
+    the same engine and settings meets nothing again."""
+    job_engine.warmed.clear()  # another test's warm-up of these settings would leave nothing to meet
     dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(5))
     log = io.StringIO()
     run_job(job_config(dataset, job_model, tmp_path / "out", mode="auto", max_tokens=12, batch_size=4,
@@ -377,6 +379,11 @@ def test_a_warm_up_is_logged_and_reported_as_the_jobs_first_use_cost(tmp_path, j
     assert print_status(tmp_path / "out", stream=out) == 0
     assert re.search(r"first use: \d+\.\d s warming up the decoder's step shapes \(\d+\.\d% of the work time\)",
                      out.getvalue())
+    log = io.StringIO()  # a second job of the engine: its shapes were met, their costs measured
+    run_job(job_config(dataset, job_model, tmp_path / "again", mode="auto", max_tokens=12, batch_size=4,
+                       warm_up=True), engine=job_engine, stream=log)
+    assert "warm-up: every step shape (rows 4) met earlier by this engine; its step costs reused" in log.getvalue()
+    assert read_all_ledgers(tmp_path / "again")[0].warmup_s < entries[0].warmup_s
     log = io.StringIO()
     run_job(job_config(dataset, job_model, tmp_path / "cpu", max_tokens=12), engine=job_engine, stream=log)
     assert "warm-up" not in log.getvalue()  # the CPU's default: no first-use costs to meet

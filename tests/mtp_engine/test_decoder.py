@@ -19,7 +19,7 @@ from mtp_engine import MTPEngine
 from mtp_engine.decoder import Decoder
 from mtp_engine.io.tiny import tiny_config
 from mtp_engine.modes import DecodeConfig
-from mtp_engine.sampling import GREEDY
+from mtp_engine.sampling import GREEDY, SamplingParams
 from mtp_engine.verify import verify
 from mtp_engine.tools.phases import PHASES, PhaseTimer
 from mtp_engine.tools.projection import ProjectedDrafts, ProjectingDrafter, parse_profile, project_rows
@@ -144,8 +144,10 @@ def test_warm_up_meets_every_step_shape_of_the_job_and_changes_no_token(models, 
     """Mode auto's warm-up steps every bucket of rows at every width once
     (twice: the controller's costs start measured); the decoding after it
     meets no verify shape the warm-up did not, and its rows are plain
-    decoding's."""
+    decoding's. A later decoder of the engine with the same settings meets
+    nothing again."""
     engine, reference = models["l4_fai4_kv2_e4k2"]
+    engine.warmed.clear()  # another test's warm-up of these settings would leave nothing to meet
     decoder = Decoder(engine, DecodeConfig(mode="auto", draft_tokens=3, batch_size=6), buckets=[1, 2, 4])
     seconds, shapes = decoder.warm_up(GREEDY)
     assert decoder.buckets == [1, 2, 4, 6] and shapes == 4 * 4 and seconds > 0 and not decoder.rows
@@ -166,6 +168,13 @@ def test_warm_up_meets_every_step_shape_of_the_job_and_changes_no_token(models, 
         results.update({key: r for (key, _), r in decoder.step()})
     assert met and set(met) <= {(b, w) for b in decoder.buckets for w in range(2, 5)}
     assert all(check_row(results[i], row, engine.eos_token_ids, engine) == "identical" for i, row in enumerate(rows))
+
+    # a later decoder of the engine with these settings meets nothing again: it starts from the costs measured then
+    again = Decoder(engine, DecodeConfig(mode="auto", draft_tokens=3, batch_size=6), buckets=[1, 2, 4])
+    assert again.warm_up(GREEDY)[1] == 0
+    assert {shape for shape, (_, recent) in again.controller.costs.items() if recent} == measured
+    sampled = Decoder(engine, DecodeConfig(mode="auto", draft_tokens=3, batch_size=6), buckets=[1, 2, 4])
+    assert sampled.warm_up(SamplingParams(temperature=0.7))[1] > 0  # other settings: other shapes to meet
 
 
 def test_a_row_does_not_depend_on_the_rows_beside_it(models):
