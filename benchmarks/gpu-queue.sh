@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu-queue.sh start tests tests-decoder job-80b "audit MODES=adaptive LIMIT=300"
 #   bash benchmarks/gpu-queue.sh poll 540
 #
-# A suite is an h200.sh argument, then any VAR=VALUE it takes. The first call installs MLX's CUDA build
+# A suite is an h200.sh argument, then any VAR=VALUE it takes. At the end the MLX kernel cache (ptx.tgz) and the
+# CUDA driver's (nv.tgz) come back in $OUT: keep both in .mlx-ptx/ and carry it, and `start` unpacks them. The first call installs MLX's CUDA build
 # (../shared/gpu/stage-mlx-cuda.sh) before `start`; /root/res keeps earlier results until the machine goes back.
 set -u
 res=/root/res
@@ -18,6 +19,8 @@ case "${1:?start SUITE... or poll SECONDS}" in
     rm -rf /root/repo && mkdir -p /root/repo
     tar cf - --exclude=./.gpu-stage --exclude=./.venv . | tar xf - -C /root/repo
     if [ -f .mlx-ptx/ptx.tgz ] && [ ! -d /tmp/mlx ]; then tar xzf .mlx-ptx/ptx.tgz -C /tmp; fi
+    # the CUDA driver's cache of kernels built from that PTX, as a machine that ran jobs before keeps it
+    if [ -f .mlx-ptx/nv.tgz ] && [ ! -d "$HOME/.nv" ]; then tar xzf .mlx-ptx/nv.tgz -C "$HOME"; fi
     rm -f "$res/DONE"
     script=/root/queue.sh
     {
@@ -30,7 +33,7 @@ case "${1:?start SUITE... or poll SECONDS}" in
         echo "env $vars bash benchmarks/h200.sh $name > $res/$i-$name.out 2>&1; rc=\$?"
         echo "echo \"\$(date +%T) end $i $name rc=\$rc\" >> $res/queue.log"
       done
-      echo "tar czf $res/ptx.tgz -C /tmp mlx 2>/dev/null; touch $res/DONE"
+      echo "tar czf $res/ptx.tgz -C /tmp mlx 2>/dev/null; tar czf $res/nv.tgz -C \$HOME .nv 2>/dev/null; touch $res/DONE"
     } > "$script"
     setsid nohup bash "$script" > /root/queue.nohup 2>&1 < /dev/null &
     echo "started: $*" ;;
