@@ -47,13 +47,15 @@ def warm_up(decoder, sampling: SamplingParams) -> tuple[float, int]:
         if key not in engine.warmed:
             warm = type(decoder)(engine, config, buckets=[size])
             warm.add(None, prompt, [sampling] * size, max_tokens=sum(depths) + len(depths) + 1)
+            met = len(shapes)
             for depth in depths:
                 if warm.step(depth) or not warm.live:
                     break  # a row finished early: its shape is met at the next bucket or in the job
                 shapes.add((size, depth))
-            engine.warmed[key] = warm.controller.costs if warm.controller is not None else {}
+            if len(shapes) > met:  # a bucket whose rows all ended at once is met again next time
+                engine.warmed[key] = warm.controller.costs if warm.controller is not None else {}
             warm.close()
-        if decoder.controller is not None:
+        if decoder.controller is not None and key in engine.warmed:
             decoder.controller.costs.update(copy.deepcopy(engine.warmed[key]))
     mx.clear_cache()
     return time.perf_counter() - t0, len(shapes)
