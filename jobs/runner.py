@@ -636,8 +636,7 @@ def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lamb
         budget = int(config.prefix_cache_gb * 2**30) if config.prefix_cache_gb else default_budget_bytes()
         prefixes = PrefixCache(engine, config.prefix_min_tokens, budget, log=log or (lambda m: None))
     if warm:
-        sampling = config.sampling()
-        seconds, shapes = decoder.warm_up(sampling if sampling.greedy else replace(sampling, seed=0))
+        seconds, shapes = decoder.warm_up(config.sampling())
         warmed(seconds)
         if info is not None:
             rows = ", ".join(map(str, decoder.buckets))
