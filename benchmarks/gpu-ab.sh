@@ -7,8 +7,9 @@
 #   setsid nohup bash benchmarks/gpu-ab.sh run > /root/ab.nohup 2>&1 < /dev/null &
 #   OUT=$OUT bash benchmarks/gpu-queue.sh poll 540    # back to back until DONE
 #
-# ARGS (default the 80b suite's B=32 K=3 run) goes to `python -m mtp_engine.bench` in both trees, so it must mean the
-# same in both; results: /root/res/ab-{old,new}-{1,2}.json and .out.
+# ARGS (default the 80b suite's B=32 K=3 run) goes to `python -m $MODULE` (default mtp_engine.bench; jobs.bench for a
+# job) in both trees, so it must mean the same in both; results: /root/res/ab-{old,new}-{1,2}.json and .out. As a
+# suite of gpu-queue.sh: "ab MODULE=jobs.bench ARGS='...'" (h200.sh ab), with .ab-old in the call's carry.
 set -u
 case "${1:?stage REV or run}" in
   stage)
@@ -23,6 +24,7 @@ case "${1:?stage REV or run}" in
       --no-mlx-lm-batch"}
     res=/root/res; mkdir -p $res; rm -f $res/DONE
     if [ -f .mlx-ptx/ptx.tgz ] && [ ! -d /tmp/mlx ]; then tar xzf .mlx-ptx/ptx.tgz -C /tmp; fi
+    if [ -f .mlx-ptx/nv.tgz ] && [ ! -d "$HOME/.nv" ]; then tar xzf .mlx-ptx/nv.tgz -C "$HOME"; fi
     rm -rf /root/ab && mkdir -p /root/ab/new && cp -r .ab-old /root/ab/old
     tar cf - --exclude=./.gpu-stage --exclude=./.venv --exclude=./.ab-old . | tar xf - -C /root/ab/new
     for i in 1 2; do
@@ -30,12 +32,12 @@ case "${1:?stage REV or run}" in
         dir=/root/ab/$side
         echo "$(date +%T) start $side $i" >> $res/queue.log
         # shellcheck disable=SC2086
-        (cd $dir && PYTHONPATH=/root/site:$dir timeout "${LIMIT:-170}" python3 -u -m mtp_engine.bench $args \
+        (cd $dir && PYTHONPATH=/root/site:$dir timeout "${LIMIT:-170}" python3 -u -m "${MODULE:-mtp_engine.bench}" $args \
           --json $res/ab-$side-$i.json > $res/ab-$side-$i.out 2>&1)
         rc=$?
         echo "$(date +%T) end $side $i rc=$rc" >> $res/queue.log
       done
     done
-    touch $res/DONE ;;
+    [ "${QUEUED:-0}" = 1 ] || touch $res/DONE ;;  # in gpu-queue.sh's queue (h200.sh ab) the queue ends with DONE
   *) echo "unknown command $1" >&2; exit 2 ;;
 esac

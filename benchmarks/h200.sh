@@ -7,6 +7,7 @@
 #
 #   bash benchmarks/h200.sh tests      # the GPU-only tests (kernels on the device, RoPE launches, quantized products) and
 #                                      # sampled exactness on CUDA; tests-decoder: batched exactness (one call each)
+#   bash benchmarks/h200.sh ab-job     # the job suite's job, an older commit against this tree, alternating (gpu-ab.sh)
 #   bash benchmarks/h200.sh shipped    # shipped model, bf16, every chain depth one prompt at a time -> h200-shipped.json
 #   bash benchmarks/h200.sh dataset    # shipped model over a dataset: plain, single chain, mlx-lm and our batching,
 #                                      # batched chains B=8..32 K=1..4, all prompts then loop-free -> h200-dataset*.json
@@ -59,12 +60,21 @@ bench="python3 -u -m mtp_engine.bench"
 # Result files are named after the card that made them: h200-*.json or h100-*.json.
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && echo h100 || echo h200)
 
-case "${1:?tests, tests-decoder, shipped, dataset, sampling, lossless, job, audit, job-80b, job-80b-b8, job-80b-sampled, job-80b-weak, job-80b-falling, job-80b-prefix, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
+case "${1:?tests, ab, ab-job, tests-decoder, shipped, dataset, sampling, lossless, job, audit, job-80b, job-80b-b8, job-80b-sampled, job-80b-weak, job-80b-falling, job-80b-prefix, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
     timeout "${LIMIT:-480}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
       tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/model/test_dispatch.py tests/mtp_engine/model/test_rope.py \
       tests/mtp_engine/model/test_quantized.py tests/mtp_engine/test_sampling.py -rfEs --durations=15 2>&1 \
       | tee "$out/$gpu-tests.log" | tail -40 ;;
+  ab|ab-job)
+    # an older commit (gpu-ab.sh stage REV; .ab-old in the call's carry) against this tree, alternating; ab: ARGS to
+    # mtp_engine.bench (default the 80b suite's B=32 run); ab-job: the job suite's job (MODES, ROUNDS, TEMPS)
+    if [ "$1" = ab-job ]; then
+      export MODULE=jobs.bench ARGS="--dataset examples/prompts.jsonl --model $PWD/models/qwen3-next-tiny-stdlib
+        --limit 64 --max-tokens 96 --modes ${MODES:-baseline auto} --rounds ${ROUNDS:-4} --batch-size 32
+        --temperatures ${TEMPS:-0}"
+    fi
+    QUEUED=1 bash benchmarks/gpu-ab.sh run ;;
   tests-decoder)
     timeout "${LIMIT:-540}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/test_decoder.py -rfEs --durations=10 2>&1 \
       | tee "$out/$gpu-tests-decoder.log" | tail -30 ;;

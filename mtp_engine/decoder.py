@@ -417,16 +417,19 @@ class Decoder:
         t0 = time.perf_counter()
         start = 0 if q.prefix is None else len(q.prefix)  # the prefix's caches, copied, then the row's own tokens
         caches = make_main_cache(engine.model) if q.prefix is None else copy_caches(q.prefix.caches)
-        hidden, logits = engine.prefill(q.prompt[start:], caches, keep_hidden=self.drafter is not None)
+        hidden, logits = engine.prefill(q.prompt[start:], caches, keep_hidden=self.drafter is not None,
+                                        evaluate=False)  # the first tokens' read-back below is its one sync
         if q.prefix is not None and self.drafter is not None:
             hidden = mx.concatenate([q.prefix.hidden, hidden], axis=1)
-        self.hooks.lap("prefill")
-        prefill_s = (time.perf_counter() - t0) / len(q.samples)
         logits = mx.concatenate([logits] * len(q.samples))
         grammars = [engine.grammars.row(q.constraint) for _ in q.samples] if q.constraint is not None else None
         if grammars is not None:
             logits = constrain(logits, masks_of(grammars))
-        firsts = choose(logits, q.samples, mx.zeros((len(q.samples), 1), dtype=mx.int32)).tolist()  # position 0
+        firsts = choose(logits, q.samples, mx.zeros((len(q.samples), 1), dtype=mx.int32))  # position 0
+        mx.eval(firsts, hidden if hidden is not None else [])
+        firsts = firsts.tolist()
+        self.hooks.lap("prefill")
+        prefill_s = (time.perf_counter() - t0) / len(q.samples)
         finished = []
         decode = self.decode
         for j, (params, (x,)) in enumerate(zip(q.samples, firsts)):

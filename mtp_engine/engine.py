@@ -288,9 +288,17 @@ class MTPEngine:
         finally:
             decoder.close()
 
-    def prefill(self, ids: list[int], caches: list, keep_hidden: bool) -> tuple[mx.array | None, mx.array]:
+    def prefill(self, ids: list[int], caches: list, keep_hidden: bool,
+                evaluate: bool = True) -> tuple[mx.array | None, mx.array]:
         """Feed the prompt as mlx-lm's ``generate_step`` does (chunks of all but
-        the last token, then the last token alone).
+        the last token, then the last token alone): the same forwards, so the
+        same arithmetic. Only a chunk that more chunks follow is evaluated on
+        its own (and MLX's buffer cache emptied after it, bounding a long
+        prompt's memory); the last chunk and the last token are evaluated
+        together, so a short prompt costs one sync and leaves the buffers a
+        running batch reuses (emptying them made its next step allocate
+        anew). ``evaluate=False`` leaves that last evaluation to the caller
+        (its first token's read-back then makes the prompt's only sync).
 
         Returns:
             ``(hidden, logits)``: the prompt's final-normed hiddens ``[1, n,
@@ -305,12 +313,14 @@ class MTPEngine:
             h = trunk(prompt[:n][None], cache=caches)
             if keep_hidden:
                 hiddens.append(h)
-            mx.eval(h if keep_hidden else [], [c.state for c in caches])
             prompt = prompt[n:]
-            mx.clear_cache()
+            if prompt.size > 1:
+                mx.eval(h if keep_hidden else [], [c.state for c in caches])
+                mx.clear_cache()
         h = trunk(prompt[None], cache=caches)
         logits = self.lm_head(h[:, -1:, :])
         hiddens.append(h)
         hidden = mx.concatenate(hiddens, axis=1) if keep_hidden else None
-        mx.eval(logits, hidden) if keep_hidden else mx.eval(logits, [c.state for c in caches])
+        if evaluate:
+            mx.eval(logits, hidden) if keep_hidden else mx.eval(logits, [c.state for c in caches])
         return hidden, logits

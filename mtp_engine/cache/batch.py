@@ -181,14 +181,7 @@ class BatchKVCache:
     def trim_leading(self, least: int = 1) -> None:
         """Drop the leading entries that every row has as holes, if there
         are at least ``least`` of them (dropping copies every row's entries)."""
-        if self.keys is None or not self.idx:
-            return
-        lead = int(mx.argmax(mx.any(self.valid[:, : self.idx], axis=0)).item())
-        if lead >= least:
-            self.keys, self.values = self.keys[..., lead:, :], self.values[..., lead:, :]
-            self.valid = self.valid[:, lead:]
-            self.idx -= lead
-        self.holes = bool((~self.valid[:, : self.idx]).any().item()) if self.idx else False
+        trim_leading([self], least)
 
     def take(self, rows: list[int]) -> "BatchKVCache":
         """A new cache holding these rows (repeats allowed: a row per path
@@ -273,11 +266,22 @@ def replace_row(batch: list, row: list, slot: int) -> None:
             b.clear_captured()
 
 
-def trim_leading(batch: list, least: int) -> None:
-    """`BatchKVCache.trim_leading` for every attention cache of the batch."""
-    for c in batch:
-        if isinstance(c, BatchKVCache):
-            c.trim_leading(least)
+def trim_leading(batch: list, least: int = 1) -> None:
+    """`BatchKVCache.trim_leading` for every attention cache of the batch,
+    reading what the host needs in two syncs for all of them."""
+    caches = [c for c in batch if isinstance(c, BatchKVCache) and c.keys is not None and c.idx]
+    leads = [mx.argmax(mx.any(c.valid[:, : c.idx], axis=0)) for c in caches]
+    mx.eval(leads)
+    for c, lead in zip(caches, leads):
+        lead = lead.item()
+        if lead >= least:
+            c.keys, c.values = c.keys[..., lead:, :], c.values[..., lead:, :]
+            c.valid = c.valid[:, lead:]
+            c.idx -= lead
+    holes = [(~c.valid[:, : c.idx]).any() if c.idx else None for c in caches]
+    mx.eval([h for h in holes if h is not None])
+    for c, h in zip(caches, holes):
+        c.holes = bool(h.item()) if h is not None else False
 
 
 def filter_rows(batch: list, rows: list[int], trim: bool = True) -> None:
@@ -287,7 +291,9 @@ def filter_rows(batch: list, rows: list[int], trim: bool = True) -> None:
     index = mx.array(rows, dtype=mx.int32)
     for c in batch:
         if isinstance(c, BatchKVCache):
-            c.filter(rows, trim)
+            c.filter(rows, trim=False)
         else:
             c.cache = [x[index] if x is not None else None for x in c.cache] if rows else [None] * len(c.cache)
             c.clear_captured()
+    if trim and rows:
+        trim_leading(batch)

@@ -63,7 +63,8 @@ def head_prefill(head: MTPHead, embed: nn.Module, hidden: mx.array, tokens: list
     for s in range(done, len(tokens), step):
         e = min(s + step, len(tokens))
         head(hidden[:, s:e], embed(ids[:, s - done : e - done]), own)
-        mx.eval([c.state for c in own])
+        if e < len(tokens):  # a long prompt's chunk; the last is evaluated with the next draft (no sync here)
+            mx.eval([c.state for c in own])
     return own
 
 

@@ -227,14 +227,14 @@ class FlakyEngine(MTPEngine):
         super().__init__(checkpoint)
         self.calls: dict[str, int] = {}
 
-    def prefill(self, ids, caches, keep_hidden):  # every prompt's first work in the decoder
+    def prefill(self, ids, caches, keep_hidden, evaluate=True):  # every prompt's first work in the decoder
         text = self.tokenizer.decode(ids)
         for marker in ("flaky", "broken"):
             if marker in text:
                 self.calls[marker] = self.calls.get(marker, 0) + 1
                 if marker == "broken" or self.calls[marker] == 1:
                     raise RuntimeError(f"simulated failure on {marker}")
-        return super().prefill(ids, caches, keep_hidden)
+        return super().prefill(ids, caches, keep_hidden, evaluate)
 
 
 def test_failed_generation_is_retried_once_then_becomes_an_error_row(tmp_path, job_model):
