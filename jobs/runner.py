@@ -636,12 +636,14 @@ def _decode(engine, config, work, finish, stop, log=None, info=None, warmed=lamb
         budget = int(config.prefix_cache_gb * 2**30) if config.prefix_cache_gb else default_budget_bytes()
         prefixes = PrefixCache(engine, config.prefix_min_tokens, budget, log=log or (lambda m: None))
     if warm:
-        seconds, shapes = decoder.warm_up(config.sampling())
+        seconds, shapes, reused = decoder.warm_up(config.sampling())
         warmed(seconds)
         if info is not None:
             rows = ", ".join(map(str, decoder.buckets))
             info(f"warm-up: {shapes} step shapes (rows {rows}) in {seconds:.1f} s" if shapes else
-                 f"warm-up: every step shape (rows {rows}) met earlier by this engine; its step costs reused")
+                 f"warm-up: every step shape (rows {rows}) met earlier by this engine; its step costs reused"
+                 if reused == len(decoder.buckets) else
+                 f"warm-up: no step shape met (rows {rows}): its rows ended at their first token; the job meets them")
     in_flight: dict[str, list] = {}  # id -> [Work, sample indices still running]
     failures = 0
 

@@ -181,7 +181,7 @@ class Decoder:
         self.queue.append(_Queued(key, ids, min(max_tokens, engine.context_length - len(ids)), stops,
                                   list(samples), trace, prefix, logprobs, constraint))
 
-    def warm_up(self, sampling: SamplingParams) -> tuple[float, int]:
+    def warm_up(self, sampling: SamplingParams) -> tuple[float, int, int]:
         """Meet every step shape before the first row (`mtp_engine.warmup`)."""
         return warm_up(self, sampling)
 

@@ -23,7 +23,7 @@ import mlx.core as mx
 from mtp_engine.sampling import SamplingParams
 
 
-def warm_up(decoder, sampling: SamplingParams) -> tuple[float, int]:
+def warm_up(decoder, sampling: SamplingParams) -> tuple[float, int, int]:
     """Meet, before the first row, every step shape ``decoder`` takes: for
     each of its buckets of rows, rows of a short made-up prompt sampling as
     ``sampling`` take plain steps and steps of each draft depth the mode
@@ -32,7 +32,8 @@ def warm_up(decoder, sampling: SamplingParams) -> tuple[float, int]:
     before is not stepped again; its costs are copied.
 
     Returns:
-        ``(seconds, shapes met)``: shapes met now, not those met before.
+        ``(seconds, shapes met, buckets reused)``: the shapes met now, and
+        the buckets whose shapes were met before (their costs copied).
     """
     t0 = time.perf_counter()
     sampling = replace(sampling, seed=0)  # the made-up rows' seed matters to nothing, nor to what they meet
@@ -42,10 +43,13 @@ def warm_up(decoder, sampling: SamplingParams) -> tuple[float, int]:
     uses = range(decoder.k + 1) if decoder.controller is not None else [decoder.k]  # the mode's draft depths
     depths = [d for d in uses for _ in range(3 if d == 0 else 2)]  # a plain step's cost counts from its third
     shapes = set()
+    reused = 0
     for size in decoder.buckets:
         config = replace(decoder.decode, batch_size=size)
         key = (config, sampling)
-        if key not in engine.warmed:
+        if key in engine.warmed:
+            reused += 1
+        else:
             warm = type(decoder)(engine, config, buckets=[size])
             warm.add(None, prompt, [sampling] * size, max_tokens=sum(depths) + len(depths) + 1)
             met = len(shapes)
@@ -59,4 +63,4 @@ def warm_up(decoder, sampling: SamplingParams) -> tuple[float, int]:
         if decoder.controller is not None and key in engine.warmed:
             decoder.controller.costs.update(copy.deepcopy(engine.warmed[key]))
     mx.clear_cache()
-    return time.perf_counter() - t0, len(shapes)
+    return time.perf_counter() - t0, len(shapes), reused

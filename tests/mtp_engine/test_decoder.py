@@ -149,8 +149,8 @@ def test_warm_up_meets_every_step_shape_of_the_job_and_changes_no_token(models, 
     engine, reference = models["l4_fai4_kv2_e4k2"]
     engine.warmed.clear()  # another test's warm-up of these settings would leave nothing to meet
     decoder = Decoder(engine, DecodeConfig(mode="auto", draft_tokens=3, batch_size=6), buckets=[1, 2, 4])
-    seconds, shapes = decoder.warm_up(GREEDY)
-    assert decoder.buckets == [1, 2, 4, 6] and shapes == 4 * 4 and seconds > 0 and not decoder.rows
+    seconds, shapes, reused = decoder.warm_up(GREEDY)
+    assert decoder.buckets == [1, 2, 4, 6] and shapes == 4 * 4 and not reused and seconds > 0 and not decoder.rows
     measured = {shape for shape, (_, recent) in decoder.controller.costs.items() if recent}
     assert measured == {(decoder.controller.bucket(b), w) for b in decoder.buckets for w in range(1, 5)}
     met = []
@@ -171,10 +171,21 @@ def test_warm_up_meets_every_step_shape_of_the_job_and_changes_no_token(models, 
 
     # a later decoder of the engine with these settings meets nothing again: it starts from the costs measured then
     again = Decoder(engine, DecodeConfig(mode="auto", draft_tokens=3, batch_size=6), buckets=[1, 2, 4])
-    assert again.warm_up(GREEDY)[1] == 0
+    assert again.warm_up(GREEDY)[1:] == (0, 4)  # no shape met, every bucket's costs reused
     assert {shape for shape, (_, recent) in again.controller.costs.items() if recent} == measured
     sampled = Decoder(engine, DecodeConfig(mode="auto", draft_tokens=3, batch_size=6), buckets=[1, 2, 4])
     assert sampled.warm_up(SamplingParams(temperature=0.7))[1] > 0  # other settings: other shapes to meet
+
+
+def test_a_warm_up_whose_rows_end_at_their_first_token_records_nothing(models, monkeypatch):
+    """Rows that end before a step meet no shape: the warm-up says so (no
+    shape met, none reused) and the engine keeps nothing to reuse."""
+    engine, _ = models["l4_fai4_kv2_e4k2"]
+    engine.warmed.clear()
+    every = set(range(engine.text.args.vocab_size))
+    monkeypatch.setattr(type(engine), "eos_token_ids", property(lambda self: every))  # any first token ends a row
+    decoder = Decoder(engine, DecodeConfig(mode="auto", draft_tokens=3, batch_size=2), buckets=[1])
+    assert decoder.warm_up(GREEDY)[1:] == (0, 0) and not engine.warmed
 
 
 def test_a_row_does_not_depend_on_the_rows_beside_it(models):
