@@ -71,6 +71,7 @@ def build_prefix(engine, ids: list[int]) -> PrefixState:
     mx.eval([c.state for c in caches])
     head = head_prefill(engine.checkpoint.head, engine.text.model.embed_tokens, hidden, ids[1:],
                         engine.prefill_step_size)
+    mx.eval([c.state for c in head])  # held for many rows: computed once, here
     cpp = engine.drafters.cpp
     session = cpp.session() if cpp is not None and len(ids) > 1 else None
     if session is not None:
