@@ -1,0 +1,40 @@
+"""A fresh process's first-use costs, step by step: python benchmarks/first_use.py MODE [ROWS [SWITCH=VALUE ...]]
+
+Loads the shipped model, then times (synchronized) each step of a warm-up as `mtp_engine.warmup` takes it (plain
+steps, then each draft depth twice) and the same steps once more, so each first use stands beside its later cost.
+"""
+
+import sys
+import time
+
+t0 = time.perf_counter()
+from mtp_engine import MTPEngine  # noqa: E402 (imported first: the CPU BLAS binding)
+import mlx.core as mx  # noqa: E402
+
+from mtp_engine.decoder import Decoder  # noqa: E402
+from mtp_engine.modes import DecodeConfig  # noqa: E402
+from mtp_engine.sampling import SamplingParams  # noqa: E402
+
+mode, rows = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 32
+from mtp_engine.options import EngineOptions  # noqa: E402
+
+switches = dict(EngineOptions.parse_switch(a) for a in sys.argv[3:])  # fast paths, as --fast-path takes them
+engine = MTPEngine.load("models/qwen3-next-tiny-stdlib", **switches)
+mx.synchronize()
+print(f"import and load {time.perf_counter() - t0:.3f} s", flush=True)
+depths = [0, 0, 0] + ([1, 1, 2, 2, 3, 3] if mode == "auto" else [])
+for attempt in (1, 2):
+    decoder = Decoder(engine, DecodeConfig(mode=mode, draft_tokens=3, batch_size=rows), buckets=[rows])
+    prompt = [(7919 * i + 11 + attempt) % engine.text.args.vocab_size for i in range(16)]
+    decoder.add(None, prompt, [SamplingParams()] * rows, max_tokens=64)
+    t = time.perf_counter()
+    decoder._admit()
+    mx.synchronize()
+    times = [f"join {time.perf_counter() - t:.3f}"]
+    for depth in depths:
+        t = time.perf_counter()
+        decoder.step(depth)
+        mx.synchronize()
+        times.append(f"d{depth} {time.perf_counter() - t:.3f}")
+    print(f"{mode} pass {attempt}: " + " ".join(times), flush=True)
+    decoder.close()
