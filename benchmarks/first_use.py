@@ -1,7 +1,9 @@
-"""A fresh process's first-use costs, step by step: python benchmarks/first_use.py MODE [ROWS [SWITCH=VALUE ...]]
+"""A fresh process's first-use costs, step by step: python benchmarks/first_use.py MODE [ROWS [depths=D,D,...]
+[SWITCH=VALUE ...]]
 
 Loads the shipped model, then times (synchronized) each step of a warm-up as `mtp_engine.warmup` takes it (plain
-steps, then each draft depth twice) and the same steps once more, so each first use stands beside its later cost.
+steps, then each draft depth twice; ``depths=`` another order) and the same steps once more, so each first use
+stands beside its later cost. SWITCH=VALUE: fast paths, as ``--fast-path`` takes them.
 """
 
 import sys
@@ -18,11 +20,14 @@ from mtp_engine.sampling import SamplingParams  # noqa: E402
 mode, rows = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 32
 from mtp_engine.options import EngineOptions  # noqa: E402
 
-switches = dict(EngineOptions.parse_switch(a) for a in sys.argv[3:])  # fast paths, as --fast-path takes them
+order = [a for a in sys.argv[3:] if a.startswith("depths=")]
+switches = dict(EngineOptions.parse_switch(a) for a in sys.argv[3:] if not a.startswith("depths="))
 engine = MTPEngine.load("models/qwen3-next-tiny-stdlib", **switches)
 mx.synchronize()
 print(f"import and load {time.perf_counter() - t0:.3f} s", flush=True)
 depths = [0, 0, 0] + ([1, 1, 2, 2, 3, 3] if mode == "auto" else [])
+if order:
+    depths = [int(d) for d in order[-1].split("=")[1].split(",")]
 for attempt in (1, 2):
     decoder = Decoder(engine, DecodeConfig(mode=mode, draft_tokens=3, batch_size=rows), buckets=[rows])
     prompt = [(7919 * i + 11 + attempt) % engine.text.args.vocab_size for i in range(16)]
