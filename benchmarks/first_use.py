@@ -15,11 +15,10 @@ import mlx.core as mx  # noqa: E402
 
 from mtp_engine.decoder import Decoder  # noqa: E402
 from mtp_engine.modes import DecodeConfig  # noqa: E402
+from mtp_engine.options import EngineOptions  # noqa: E402
 from mtp_engine.sampling import SamplingParams  # noqa: E402
 
 mode, rows = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 32
-from mtp_engine.options import EngineOptions  # noqa: E402
-
 order = [a for a in sys.argv[3:] if a.startswith("depths=")]
 switches = dict(EngineOptions.parse_switch(a) for a in sys.argv[3:] if not a.startswith("depths="))
 engine = MTPEngine.load("models/qwen3-next-tiny-stdlib", **switches)

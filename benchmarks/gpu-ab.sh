@@ -9,7 +9,8 @@
 #
 # ARGS (default the 80b suite's B=32 K=3 run) goes to `python -m $MODULE` (default mtp_engine.bench; jobs.bench for a
 # job) in both trees, so it must mean the same in both; results: /root/res/ab-{old,new}-{1,2}.json and .out. As a
-# suite of gpu-queue.sh: "ab MODULE=jobs.bench ARGS='...'" (h200.sh ab), with .ab-old in the call's carry.
+# suite of gpu-queue.sh, with .ab-old in the call's carry: "ab" (the default ARGS) or "ab-job ROUNDS=4" (h200.sh sets
+# MODULE and ARGS; a queue suite's VAR=VALUE cannot carry an ARGS with spaces).
 set -u
 case "${1:?stage REV or run}" in
   stage)

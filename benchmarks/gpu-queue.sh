@@ -8,8 +8,9 @@
 #   bash benchmarks/gpu-queue.sh poll 540
 #
 # A suite is an h200.sh argument, then any VAR=VALUE it takes. At the end the MLX kernel cache (ptx.tgz) and the
-# CUDA driver's (nv.tgz) come back in $OUT: keep both in .mlx-ptx/ and carry it, and `start` unpacks them. The first call installs MLX's CUDA build
-# (../shared/gpu/stage-mlx-cuda.sh) before `start`; /root/res keeps earlier results until the machine goes back.
+# CUDA driver's (nv.tgz) come back in $OUT: keep both in .mlx-ptx/ and carry it, and `start` unpacks them. The first
+# call installs MLX's CUDA build (../shared/gpu/stage-mlx-cuda.sh) before `start`; /root/res keeps earlier results
+# until the machine goes back.
 set -u
 res=/root/res
 case "${1:?start SUITE... or poll SECONDS}" in

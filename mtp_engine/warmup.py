@@ -1,7 +1,8 @@
 """A decoder's warm-up: every step shape it takes, met before the first row.
 
-On a GPU each new ``[rows, width]`` step shape has a first-use cost (kernels
-compiling, buffers allocated: 0.2-1.1 s a shape on CUDA), and mode "auto"'s
+On a GPU a process pays first uses (kernels loaded or compiled, buffers
+allocated: on an H100 its first prefill 1.7-2.8 s, its first one-draft steps
+1.3-2.3 s each, `benchmarks/first_use.py`), and mode "auto"'s
 controller needs the step costs measured before it can choose. `warm_up`
 meets them all at once, on made-up rows, so a job's first-use cost is one
 figure its log and ledger report.
