@@ -24,6 +24,9 @@ switches = dict(EngineOptions.parse_switch(a) for a in sys.argv[3:] if not a.sta
 engine = MTPEngine.load("models/qwen3-next-tiny-stdlib", **switches)
 mx.synchronize()
 print(f"import and load {time.perf_counter() - t0:.3f} s", flush=True)
+t = time.perf_counter()
+mx.eval(mx.ones((32, 64), mx.bfloat16) @ mx.ones((64, 64), mx.bfloat16))  # the BLAS library's first use
+print(f"first matmul {time.perf_counter() - t:.3f} s", flush=True)
 depths = [0, 0, 0] + ([1, 1, 2, 2, 3, 3] if mode == "auto" else [])
 if order:
     depths = [int(d) for d in order[-1].split("=")[1].split(",")]

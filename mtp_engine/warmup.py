@@ -1,8 +1,9 @@
 """A decoder's warm-up: every step shape it takes, met before the first row.
 
 On a GPU a process pays first uses (kernels loaded or compiled, buffers
-allocated: on an H100 its first prefill 1.7-2.8 s, its first one-draft steps
-1.3-2.3 s each, `benchmarks/first_use.py`), and mode "auto"'s
+allocated: on an H100 its first prefill 0.6 s with the engine's kernels
+compiled on disk, 1.4-2.3 s without; every later step milliseconds,
+`benchmarks/first_use.py`), and mode "auto"'s
 controller needs the step costs measured before it can choose. `warm_up`
 meets them all at once, on made-up rows, so a job's first-use cost is one
 figure its log and ledger report.

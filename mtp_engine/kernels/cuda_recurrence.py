@@ -31,6 +31,7 @@ from mlx_lm.models.gated_delta import compute_g
 
 from mtp_engine.cache.capture import StackedStates
 from mtp_engine.backend import is_cuda_backend
+from mtp_engine.kernels.cuda_build import CudaKernel
 
 SOURCES = Path(__file__).parent / "cuda"
 
@@ -49,15 +50,18 @@ def fits(layer) -> bool:
 
 
 FINAL, EVERY, OUTPUTS, AT = 0, 1, 2, 3
-"""The kernel's modes (its ``MODE``): outputs and the last state; outputs and
-every token's state; outputs only; each row's state after its own token."""
+"""The kernel's modes (its ``mode`` input): outputs and the last state;
+outputs and every token's state; outputs only; each row's state after its
+own token. An input, not a template constant: one compiled kernel serves
+prefill, decode, verify and commit (a compile is about 1.3 s on the H100,
+where the cache of `cuda_build` does not hold it yet)."""
 
 
 @cache
 def _kernel():
-    return mx.fast.cuda_kernel(
-        name="mtp_gated_delta_tokens",
-        input_names=["q", "k", "v", "g", "beta", "state_in", "n_tokens", "last"],
+    return CudaKernel(
+        name="gated_delta_tokens",
+        input_names=["q", "k", "v", "g", "beta", "state_in", "n_tokens", "mode", "last"],
         output_names=["y", "states"],
         source=(SOURCES / "gated_delta_tokens.cu").read_text(),
         header=(SOURCES / "gated_delta_tokens.cuh").read_text(),
@@ -78,8 +82,8 @@ def _launch(q, k, v, g, beta, state, mode: int, last: mx.array | None = None) ->
     Hv, Dv = v.shape[2:]
     n_states = {FINAL: 1, EVERY: T, AT: 1}.get(mode)  # None: the mode writes no state
     return _kernel()(
-        inputs=[q, k, v, g, beta, state, _int32(T), _int32(0) if last is None else last],
-        template=[("InT", q.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv), ("MODE", mode)],
+        inputs=[q, k, v, g, beta, state, _int32(T), _int32(mode), _int32(0) if last is None else last],
+        template=[("InT", q.dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv)],
         grid=(32, Dv, B * Hv),
         threadgroup=(32, 4, 1),
         output_shapes=[(1,) if mode == AT else (B, T, Hv, Dv),

@@ -1,7 +1,8 @@
 // The gated-delta recurrence over T tokens in one launch (mtp_engine/kernels/cuda_recurrence.py).
 // The body of an mx.fast.cuda_kernel: MLX wraps it in a kernel whose arguments are
-// the inputs (q, k, v, g, beta, state_in, n_tokens, last) and outputs (y, states), with
-// the template constants InT, Dk, Dv, Hk, Hv and MODE:
+// the inputs (q, k, v, g, beta, state_in, n_tokens, mode, last) and outputs (y, states), with
+// the template constants InT, Dk, Dv, Hk, Hv. The mode, read at run time (one compiled kernel
+// serves them all, so a process compiles it once, not once a mode):
 //   0: y for every token and the state after the last ([1, B, Hv, Dv, Dk]);
 //   1: y and the state after every token ([T, B, Hv, Dv, Dk]);
 //   2: y only (states is not written);
@@ -11,6 +12,7 @@
 // the state, each lane Dk/32 of its columns.
   constexpr int n_per_t = Dk / 32;
   const int NT = n_tokens[0];  // read at run time: one compiled kernel serves every T
+  const int MODE = mode[0];  // and every mode
   const int lane = threadIdx.x;
   const int dv_idx = blockIdx.y * blockDim.y + threadIdx.y;
   const int n = blockIdx.z;  // b * Hv + hv
