@@ -8,7 +8,8 @@
 #   OUT=$OUT bash benchmarks/gpu-queue.sh poll 540    # back to back until DONE
 #
 # ARGS (default the 80b suite's B=32 K=3 run) goes to `python -m $MODULE` (default mtp_engine.bench; jobs.bench for a
-# job) in both trees, so it must mean the same in both; results: /root/res/ab-{old,new}-{1,2}.json and .out. As a
+# job) in both trees, so it must mean the same in both; results: /root/res/$NAME-{old,new}-{1,2}.json and .out (NAME:
+# ab, or ab-job as h200.sh sets it, so the two suites in one queue keep their files apart). As a
 # suite of gpu-queue.sh, with .ab-old in the call's carry: "ab" (the default ARGS) or "ab-job ROUNDS=4" (h200.sh sets
 # MODULE and ARGS; a queue suite's VAR=VALUE cannot carry an ARGS with spaces).
 set -u
@@ -34,7 +35,7 @@ case "${1:?stage REV or run}" in
         echo "$(date +%T) start $side $i" >> $res/queue.log
         # shellcheck disable=SC2086
         (cd $dir && PYTHONPATH=/root/site:$dir timeout "${LIMIT:-170}" python3 -u -m "${MODULE:-mtp_engine.bench}" $args \
-          --json $res/ab-$side-$i.json > $res/ab-$side-$i.out 2>&1)
+          --json "$res/${NAME:-ab}-$side-$i.json" > "$res/${NAME:-ab}-$side-$i.out" 2>&1)
         rc=$?
         echo "$(date +%T) end $side $i rc=$rc" >> $res/queue.log
       done

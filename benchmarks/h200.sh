@@ -60,7 +60,7 @@ bench="python3 -u -m mtp_engine.bench"
 # Result files are named after the card that made them: h200-*.json or h100-*.json.
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && echo h100 || echo h200)
 
-case "${1:?tests, ab, ab-job, tests-decoder, shipped, dataset, sampling, lossless, job, audit, job-80b, job-80b-b8, job-80b-sampled, job-80b-weak, job-80b-falling, job-80b-prefix, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
+case "${1:?tests, ab, ab-job, first-use, tests-decoder, shipped, dataset, sampling, lossless, job, audit, job-80b, job-80b-b8, job-80b-sampled, job-80b-weak, job-80b-falling, job-80b-prefix, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
     timeout "${LIMIT:-480}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
       tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/model/test_dispatch.py tests/mtp_engine/model/test_rope.py \
@@ -70,11 +70,18 @@ case "${1:?tests, ab, ab-job, tests-decoder, shipped, dataset, sampling, lossles
     # an older commit (gpu-ab.sh stage REV; .ab-old in the call's carry) against this tree, alternating; ab: ARGS to
     # mtp_engine.bench (default the 80b suite's B=32 run); ab-job: the job suite's job (MODES, ROUNDS, TEMPS)
     if [ "$1" = ab-job ]; then
-      export MODULE=jobs.bench ARGS="--dataset examples/prompts.jsonl --model $PWD/models/qwen3-next-tiny-stdlib
+      export NAME=ab-job MODULE=jobs.bench ARGS="--dataset examples/prompts.jsonl --model $PWD/models/qwen3-next-tiny-stdlib
         --limit 64 --max-tokens 96 --modes ${MODES:-baseline auto} --rounds ${ROUNDS:-4} --batch-size 32
         --temperatures ${TEMPS:-0}"
     fi
     QUEUED=1 bash benchmarks/gpu-ab.sh run ;;
+  first-use)
+    # a fresh process's first uses step by step (benchmarks/first_use.py): auto with the kernel cache empty, auto and
+    # plain batching reading it
+    export MTP_KERNEL_CACHE=/tmp/first-use-kernels; rm -rf "$MTP_KERNEL_CACHE"
+    for run in "auto, kernel cache empty:auto" "auto, kernel cache filled:auto" "baseline, kernel cache filled:baseline"; do
+      echo "== ${run%%:*}"; timeout 60 python3 benchmarks/first_use.py "${run##*:}" 32 2>&1 | grep -v Warn
+    done | tee "$out/$gpu-first-use.log" ;;
   tests-decoder)
     timeout "${LIMIT:-540}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/test_decoder.py -rfEs --durations=10 2>&1 \
       | tee "$out/$gpu-tests-decoder.log" | tail -30 ;;
