@@ -20,7 +20,7 @@ def test_the_job_benchmark_compares_modes_with_and_without_logprobs(tmp_path, jo
     result = orjson.loads(report.read_bytes())
     summary = result["summary"]
     assert [s["mode"] for s in summary] == modes
-    assert all(s["same_completions"] and s["tok_s"] > 0 for s in summary)
+    assert all(s["same_completions"] and s["rows_differing"] == 0 and s["tok_s"] > 0 for s in summary)
     assert summary[0]["ratio"] == 1.0
     for run in result["runs"]:  # the phases and the rest account for each job's time
         phases = run["phases_s"]
