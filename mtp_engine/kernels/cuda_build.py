@@ -43,7 +43,21 @@ CUDA_TYPES = {
     mx.int8: "signed char", mx.uint8: "unsigned char", mx.int16: "short", mx.uint16: "unsigned short",
     mx.bool_: "bool",
 }
-PRELUDE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n\n"
+PRELUDE = """#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
+typedef short int16_t;
+typedef unsigned short uint16_t;
+typedef int int32_t;
+typedef unsigned int uint32_t;
+typedef long long int64_t;
+typedef unsigned long long uint64_t;
+
+"""
+"""What the kernels use of MLX's own prelude (``mlx/backend/cuda/device/utils.cuh``,
+whose ``<cstdint>`` NVRTC cannot find without MLX's include folders)."""
 CUBIN_MAGIC = b"\x7fELF"
 FORMAT = "1"  # bump when the translation unit's layout or the file's changes
 
@@ -106,7 +120,7 @@ class CudaKernel:
         if self.reason is None:
             key = (tuple(x.dtype for x in inputs), tuple(template), tuple(output_dtypes))
             built = self._built.get(key) or self._build(key, inputs, template, output_dtypes)
-            if built is not None:
+            if built is not None:  # a launch that fails to load raises at evaluation; the cubin is checksummed
                 function, cubin = built
                 return mx.fast.precompiled_cuda_kernel(
                     name=function, compiled_source=cubin, inputs=inputs, output_shapes=output_shapes,
@@ -166,13 +180,17 @@ def _checked(data: bytes) -> bytes | None:
 def _write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` whole or not at all; a cache that cannot be
     written is skipped (the kernel still runs from memory)."""
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from its other users
         os.replace(tmp, path)
     except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         log.warning("cannot keep the compiled kernel in %s (%s); it is compiled again next process",
                     path.parent, e)
 
@@ -193,8 +211,9 @@ class _Nvrtc:
         self.lib = ctypes.CDLL(_nvrtc_path())
         major, minor = ctypes.c_int(), ctypes.c_int()
         self._check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
-        self.version = f"nvrtc {major.value}.{minor.value}"
-        self.include = _cuda_include()
+        self.include = _cuda_include(major.value)
+        self.options = ["--include-path=" + self.include, "--device-as-default-execution-space"]
+        self.version = f"nvrtc {major.value}.{minor.value} {' '.join(self.options)}"  # in each cubin's name
 
     def _check(self, result: int, call: str, program=None) -> None:
         if result != 0:
@@ -205,7 +224,7 @@ class _Nvrtc:
                 self.lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
                 text = ctypes.create_string_buffer(size.value)
                 self.lib.nvrtcGetProgramLog(program, text)
-                message += ": " + text.value.decode(errors="replace")[-2000:]
+                message += ": " + text.value.decode(errors="replace")[:2000]  # the first errors
             raise RuntimeError(f"{call} failed: {message}")
 
     def __call__(self, unit: str, architecture: str) -> bytes:
@@ -213,8 +232,7 @@ class _Nvrtc:
         self._check(self.lib.nvrtcCreateProgram(ctypes.byref(program), unit.encode(), b"kernel.cu", 0, None, None),
                     "nvrtcCreateProgram")
         try:
-            options = [f"--gpu-architecture={architecture}", f"--include-path={self.include}",
-                       "--device-as-default-execution-space"]
+            options = [f"--gpu-architecture={architecture}"] + self.options
             array = (ctypes.c_char_p * len(options))(*[o.encode() for o in options])
             self._check(self.lib.nvrtcCompileProgram(program, len(options), array), "nvrtcCompileProgram", program)
             size = ctypes.c_size_t()
@@ -253,9 +271,11 @@ def _nvrtc_path() -> str:
     raise OSError("NVRTC (libnvrtc.so) not found")
 
 
-def _cuda_include() -> str:
-    """The folder holding CUDA's ``cuda_bf16.h``, searched as MLX searches it."""
-    candidates = [root / "nvidia" / sub / "include" for root in map(Path, sys.path) for sub in ("cuda_runtime", "cu13")]
+def _cuda_include(major: int) -> str:
+    """The folder holding CUDA's ``cuda_bf16.h``, searched as MLX searches it
+    (the ``nvidia`` package of NVRTC's major version first)."""
+    subs = ("cu13", "cuda_runtime") if major >= 13 else ("cuda_runtime", "cu13")
+    candidates = [root / "nvidia" / sub / "include" for root in map(Path, sys.path) for sub in subs]
     candidates += [Path(home) / "include" for home in cuda_homes()]
     for path in candidates:
         if (path / "cuda_bf16.h").is_file():

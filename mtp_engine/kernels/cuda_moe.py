@@ -27,8 +27,6 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.switch_layers import SwiGLU
 
-from mtp_engine.kernels.cuda_build import CudaKernel
-
 SOURCES = Path(__file__).parent / "cuda"
 
 ROWS = 4
@@ -101,8 +99,8 @@ def header() -> str:
 @cache
 def kernel():
     """The compiled kernel (``mx.fast.cuda_kernel``'s calling convention). It
-    reads ``experts_shape``, which only MLX's wrapper passes, so it stays
-    MLX's to compile (once a process), not `cuda_build`'s."""
+    reads ``experts_shape``, which only MLX's wrapper passes, so MLX
+    compiles it (once a process), not `cuda_build`."""
     return mx.fast.cuda_kernel(name="mtp_moe_products", input_names=INPUT_NAMES, output_names=OUTPUT_NAMES,
                                source=source(), header=header())
 
@@ -179,8 +177,8 @@ def tiles_fit(switch) -> str | None:
 @cache
 def tiles_kernel():
     """The compiled prefill kernel (``mx.fast.cuda_kernel``'s calling convention)."""
-    return CudaKernel(name="moe_tiles", input_names=TILE_INPUT_NAMES, output_names=OUTPUT_NAMES,
-                      source=tiles_source(), header=header())
+    return mx.fast.cuda_kernel(name="mtp_moe_tiles", input_names=TILE_INPUT_NAMES, output_names=OUTPUT_NAMES,
+                               source=tiles_source(), header=header())
 
 
 def tiles_source() -> str:
