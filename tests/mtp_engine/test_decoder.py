@@ -211,6 +211,28 @@ def test_generate_batch_yields_rows_as_they_finish_and_returns_them_in_order(mod
     assert all(r.stats.mode == "chain" and r.stats.prefill_s > 0 for r in results)
 
 
+def test_rows_that_end_at_their_first_token_leave_their_places_within_one_admission(models):
+    """Prompts admitted together are read back together; those whose rows
+    end at their first token free their places for the next queued prompts
+    in the same step, and every row still equals plain decoding."""
+    engine, _ = models["l4_fai4_kv2_e4k2"]
+    budgets = [1, 1, 9, 1, 9, 1]
+    decoder = Decoder(engine, DecodeConfig(mode="chain", draft_tokens=3, batch_size=2))
+    for i, budget in enumerate(budgets):
+        decoder.add(i, PROMPTS[i], [GREEDY], max_tokens=budget)
+    first = dict(decoder.step())
+    assert sorted(k for k, _ in first) == [0, 1, 3]  # the third prompt and the fifth hold both places
+    assert decoder.live == 2 and len(decoder.queue) == 1
+    results = dict(first)
+    while decoder.pending:
+        results.update(decoder.step())
+    decoder.close()
+    for i, budget in enumerate(budgets):
+        want = engine.generate(PROMPTS[i], max_tokens=budget, mode="baseline").tokens
+        assert results[(i, 0)].tokens == want and len(want) <= budget
+        assert results[(i, 0)].stats.prefill_s > 0
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(batch_size=0), ValueError, "batch_size must be a positive int, got 0"),
     (dict(mode="beam"), ValueError, "unknown mode 'beam'"),
