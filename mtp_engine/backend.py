@@ -24,6 +24,12 @@ def is_cuda_backend() -> bool:
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
+def cuda_homes() -> list[str]:
+    """CUDA toolkits whose headers a kernel compile may use, in MLX's order:
+    ``$CUDA_HOME``, ``$CUDA_PATH``, ``/usr/local/cuda``."""
+    return [home for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")) if home] + ["/usr/local/cuda"]
+
+
 def cudnn_attention_on() -> bool:
     """Whether MLX's CUDA backend uses cuDNN attention (its own default: on)."""
     return os.environ.get(CUDNN_ATTENTION, "1") != "0"

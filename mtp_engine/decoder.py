@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Hashable, NamedTuple
 
 import mlx.core as mx
 
@@ -92,8 +92,7 @@ class _Queued:
     constraint: Constraint | None = None
 
 
-@dataclass
-class _Joining:
+class _Joining(NamedTuple):
     """A queued prompt whose prefill is dispatched, its first tokens not yet read."""
 
     q: _Queued
@@ -102,7 +101,6 @@ class _Joining:
     logits: mx.array  # [samples, vocab]
     grammars: list[RowGrammar] | None
     firsts: mx.array  # [samples, 1]
-    seconds: float  # the host's time building it
 
 
 class Decoder:
@@ -377,11 +375,11 @@ class Decoder:
     # -- rows joining and leaving ---------------------------------------------
 
     def _ready_for(self, q: _Queued, joining: bool = False) -> bool:
-        """Whether rows of ``q`` can join now (``joining``: after prompts
-        already being prefilled). The drafter is made for the first rows;
-        "auto" drafts greedy rows with the C++ head (or the CUDA kernel)
-        where there is one, so the first sampled or constrained rows wait for
-        an empty batch, which then drafts with the MLX head."""
+        """Whether rows of ``q`` can join now (``joining``: behind prompts in
+        prefill). The drafter is made for the first rows; "auto" drafts greedy
+        rows with the C++ head (or the CUDA kernel) where there is one, so the
+        first sampled or constrained rows wait for an empty batch, which then
+        drafts with the MLX head."""
         if not self.k or self._head_off:
             return True
         greedy = all(p.greedy for p in q.samples) and q.constraint is None
@@ -397,14 +395,12 @@ class Decoder:
     def _admit(self) -> list[tuple[Hashable, GenerationResult]]:
         """Prefill queued prompts while the live rows and the prompts' samples
         fit the batch (a prompt with n samples needs n places, or an empty
-        batch). The prompts that fit are prefilled one after another without
-        a sync between them (the device runs one while the host builds the
-        next) and their first tokens are read back at once; rows that end at
-        their first token leave places for the queue's next prompts."""
+        batch), one dispatched while the host builds the next, their first
+        tokens read in one sync; rows ending there leave their places."""
         finished = []
         replaced = False
         while True:
-            joining, places = [], self.live
+            joining, places, t0 = [], self.live, time.perf_counter()
             while self.queue and self._ready_for(self.queue[0], joining=bool(joining)):
                 if places and places + len(self.queue[0].samples) > self.decode.batch_size:
                     break
@@ -413,11 +409,10 @@ class Decoder:
             if not joining:
                 break
             self.hooks.lap(None)
-            t0 = time.perf_counter()
             mx.eval([j.firsts for j in joining] + [j.hidden for j in joining if j.hidden is not None])
             firsts = [j.firsts.tolist() for j in joining]
             self.hooks.lap("prefill")
-            prefill_s = (time.perf_counter() - t0 + sum(j.seconds for j in joining)) / len(joining)
+            prefill_s = (time.perf_counter() - t0) / len(joining)  # each prompt's share
             for j, x in zip(joining, firsts):
                 free = [b for b, r in enumerate(self.rows) if r.ghost]
                 replaced |= bool(free)
@@ -442,7 +437,6 @@ class Decoder:
         """Dispatch one queued prompt's prefill and first tokens (read by `_admit`)."""
         engine = self.engine
         self.hooks.lap(None)
-        t0 = time.perf_counter()
         start = 0 if q.prefix is None else len(q.prefix)  # the prefix's caches, copied, then the row's own tokens
         caches = make_main_cache(engine.model) if q.prefix is None else copy_caches(q.prefix.caches)
         hidden, logits = engine.prefill(q.prompt[start:], caches, keep_hidden=self.drafter is not None,
@@ -456,7 +450,7 @@ class Decoder:
         firsts = choose(logits, q.samples, mx.zeros((len(q.samples), 1), dtype=mx.int32))  # position 0
         mx.async_eval(firsts, hidden if hidden is not None else [])
         self.hooks.lap("prefill")
-        return _Joining(q, caches, hidden, logits, grammars, firsts, time.perf_counter() - t0)
+        return _Joining(q, caches, hidden, logits, grammars, firsts)
 
     def _join(self, joining: _Joining, firsts: list[list[int]], free: list[int],
               prefill_s: float) -> list[tuple[Hashable, GenerationResult]]:
@@ -464,7 +458,7 @@ class Decoder:
         (popped) or joins at the end. Returns rows that finished with their
         first token."""
         engine = self.engine
-        q, caches, hidden, logits, grammars = joining.q, joining.caches, joining.hidden, joining.logits, joining.grammars
+        q, caches, hidden, logits, grammars, _ = joining
         self.hooks.lap(None)
         finished = []
         decode = self.decode

@@ -4,9 +4,9 @@ A fast path replaces an MLX or mlx-lm operation with a faster one that gives
 the same tokens (``docs/BACKENDS.md`` lists each, what it replaces and the
 test that proves it exact). A switch left at its default means "on wherever
 it is available"; the engine reports what each one ended up as
-(`FastPathStatus`). `ENVIRONMENT` declares the only environment variables
-the package reads, with `KERNEL_CACHE` (`kernel_cache_dir`). This module imports no MLX (``import mtp_engine`` reads
-``MTP_CPU_BLAS`` before MLX is imported).
+(`FastPathStatus`). `ENVIRONMENT` and `KERNEL_CACHE` declare the package's
+environment variables. This module imports no MLX (``import mtp_engine``
+reads ``MTP_CPU_BLAS`` before MLX is imported).
 """
 
 from __future__ import annotations
@@ -52,13 +52,6 @@ def kernel_cache_dir() -> Path:
     if folder := os.environ.get(KERNEL_CACHE):
         return Path(folder)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtp_engine" / "cuda"
-
-
-def cuda_homes() -> list[Path]:
-    """CUDA toolkits whose headers a kernel compile may use, in MLX's order:
-    ``$CUDA_HOME``, ``$CUDA_PATH``, ``/usr/local/cuda``."""
-    return [Path(home) for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")) if home] + [
-        Path("/usr/local/cuda")]
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mtp_engine.options import cuda_homes, kernel_cache_dir
+from mtp_engine.backend import cuda_homes
+from mtp_engine.options import kernel_cache_dir
 
 log = logging.getLogger(__name__)
 
