@@ -1,11 +1,12 @@
-"""Which MLX backend computes, and the process settings MLX reads from the
-environment. The bottom of the package: it imports nothing of it, and MLX
+"""Which MLX backend computes, the process settings MLX reads from the
+environment, and where CUDA compiles from and into. The bottom of the package: it imports nothing of it, and MLX
 only inside functions (``import mtp_engine`` routes the CPU BLAS before MLX
 loads)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 CUDNN_ATTENTION = "MLX_CUDA_USE_CUDNN_SDPA"
 """MLX's own switch for cuDNN attention on CUDA, which `apply_process_settings`
@@ -22,6 +23,13 @@ def is_cuda_backend() -> bool:
     import mlx.core as mx  # here, not at the top: `mtp_engine` routes the CPU BLAS before MLX loads
 
     return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def kernel_cache_dir() -> Path:
+    """Where the engine's compiled CUDA kernels are kept (`mtp_engine.kernels.cuda_build`):
+    ``$MTP_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/mtp_engine/cuda`` (``~/.cache/mtp_engine/cuda``)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtp_engine" / "cuda"
+    return Path(os.environ.get("MTP_KERNEL_CACHE") or cache)
 
 
 def cuda_homes() -> list[str]:

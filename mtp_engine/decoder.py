@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, NamedTuple
+from typing import Hashable
 
 import mlx.core as mx
 
@@ -90,17 +90,6 @@ class _Queued:
     prefix: PrefixState | None = None
     logprobs: int | None = None
     constraint: Constraint | None = None
-
-
-class _Joining(NamedTuple):
-    """A queued prompt whose prefill is dispatched, its first tokens not yet read."""
-
-    q: _Queued
-    caches: list
-    hidden: mx.array | None  # [1, P, dim] for the drafter's head
-    logits: mx.array  # [samples, vocab]
-    grammars: list[RowGrammar] | None
-    firsts: mx.array  # [samples, 1]
 
 
 class Decoder:
@@ -374,18 +363,17 @@ class Decoder:
 
     # -- rows joining and leaving ---------------------------------------------
 
-    def _ready_for(self, q: _Queued, joining: bool = False) -> bool:
-        """Whether rows of ``q`` can join now (``joining``: behind prompts in
-        prefill). The drafter is made for the first rows; "auto" drafts greedy
-        rows with the C++ head (or the CUDA kernel) where there is one, so the
-        first sampled or constrained rows wait for an empty batch, which then
-        drafts with the MLX head."""
+    def _ready_for(self, q: _Queued) -> bool:
+        """Whether rows of ``q`` can join now. The drafter is made for the
+        first rows; "auto" drafts greedy rows with the C++ head (or the CUDA
+        kernel) where there is one, so the first sampled or constrained rows
+        wait for an empty batch, which then drafts with the MLX head."""
         if not self.k or self._head_off:
             return True
         greedy = all(p.greedy for p in q.samples) and q.constraint is None
         if self.drafter is not None and (greedy or self.drafter.name not in GREEDY_ONLY):
             return True
-        if self.live or joining or not self._own_drafter:
+        if self.live or not self._own_drafter:
             return False
         self._keep([])
         engine = self.engine
@@ -393,30 +381,17 @@ class Decoder:
         return True
 
     def _admit(self) -> list[tuple[Hashable, GenerationResult]]:
-        """Prefill queued prompts while the live rows and the prompts' samples
-        fit the batch (a prompt with n samples needs n places, or an empty
-        batch), one dispatched while the host builds the next, their first
-        tokens read in one sync; rows ending there leave their places."""
+        """Prefill queued prompts, one at a time, while the live rows and the
+        prompt's samples fit the batch (a prompt with n samples needs n
+        places, or an empty batch)."""
         finished = []
         replaced = False
-        while True:
-            joining, places, t0 = [], self.live, time.perf_counter()
-            while self.queue and self._ready_for(self.queue[0], joining=bool(joining)):
-                if places and places + len(self.queue[0].samples) > self.decode.batch_size:
-                    break
-                places += len(self.queue[0].samples)
-                joining.append(self._prefill(self.queue.pop(0)))
-            if not joining:
+        while self.queue and self._ready_for(self.queue[0]):
+            if self.live and self.live + len(self.queue[0].samples) > self.decode.batch_size:
                 break
-            self.hooks.lap(None)
-            mx.eval([j.firsts for j in joining] + [j.hidden for j in joining if j.hidden is not None])
-            firsts = [j.firsts.tolist() for j in joining]
-            self.hooks.lap("prefill")
-            prefill_s = (time.perf_counter() - t0) / len(joining)  # each prompt's share
-            for j, x in zip(joining, firsts):
-                free = [b for b, r in enumerate(self.rows) if r.ghost]
-                replaced |= bool(free)
-                finished += self._join(j, x, free, prefill_s / len(j.q.samples))
+            free = [b for b, r in enumerate(self.rows) if r.ghost]
+            replaced |= bool(free)
+            finished += self._join(self.queue.pop(0), free)
         if replaced:
             self.hooks.lap(None)
             trim_leading(self.caches, BatchKVCache.step)  # entries only rows that left attended
@@ -424,8 +399,7 @@ class Decoder:
         return finished
 
     def _compact(self) -> None:
-        """Drop ghosts down to the smallest of `buckets` that holds the live
-        rows (each new verify shape has a first-use cost on a GPU)."""
+        """Drop ghosts down to the smallest of `buckets` holding the live rows (`row_buckets` says why)."""
         live = [b for b, r in enumerate(self.rows) if not r.ghost]
         size = min((n for n in self.buckets if n >= len(live)), default=len(live)) if live else 0
         if len(self.rows) > size:
@@ -433,14 +407,17 @@ class Decoder:
             self._keep(sorted(live + ghosts))
             self.hooks.lap("leave", states=self.caches)
 
-    def _prefill(self, q: _Queued) -> _Joining:
-        """Dispatch one queued prompt's prefill and first tokens (read by `_admit`)."""
+    def _join(self, q: _Queued, free: list[int]) -> list[tuple[Hashable, GenerationResult]]:
+        """Prefill one queued prompt; each of its rows takes a place from
+        ``free`` (popped) or joins at the end. Returns rows that finished
+        with their first token."""
         engine = self.engine
         self.hooks.lap(None)
+        t0 = time.perf_counter()
         start = 0 if q.prefix is None else len(q.prefix)  # the prefix's caches, copied, then the row's own tokens
         caches = make_main_cache(engine.model) if q.prefix is None else copy_caches(q.prefix.caches)
         hidden, logits = engine.prefill(q.prompt[start:], caches, keep_hidden=self.drafter is not None,
-                                        evaluate=False)  # the first tokens' read-back is its one sync
+                                        evaluate=False)  # the first tokens' read-back below is its one sync
         if q.prefix is not None and self.drafter is not None:
             hidden = mx.concatenate([q.prefix.hidden, hidden], axis=1)
         logits = mx.concatenate([logits] * len(q.samples))
@@ -448,18 +425,10 @@ class Decoder:
         if grammars is not None:
             logits = constrain(logits, masks_of(grammars))
         firsts = choose(logits, q.samples, mx.zeros((len(q.samples), 1), dtype=mx.int32))  # position 0
-        mx.async_eval(firsts, hidden if hidden is not None else [])
+        mx.eval(firsts, hidden if hidden is not None else [])
+        firsts = firsts.tolist()
         self.hooks.lap("prefill")
-        return _Joining(q, caches, hidden, logits, grammars, firsts)
-
-    def _join(self, joining: _Joining, firsts: list[list[int]], free: list[int],
-              prefill_s: float) -> list[tuple[Hashable, GenerationResult]]:
-        """Place a prefilled prompt's rows: each takes a place from ``free``
-        (popped) or joins at the end. Returns rows that finished with their
-        first token."""
-        engine = self.engine
-        q, caches, hidden, logits, grammars, _ = joining
-        self.hooks.lap(None)
+        prefill_s = (time.perf_counter() - t0) / len(q.samples)
         finished = []
         decode = self.decode
         for j, (params, (x,)) in enumerate(zip(q.samples, firsts)):

@@ -4,16 +4,15 @@ A fast path replaces an MLX or mlx-lm operation with a faster one that gives
 the same tokens (``docs/BACKENDS.md`` lists each, what it replaces and the
 test that proves it exact). A switch left at its default means "on wherever
 it is available"; the engine reports what each one ended up as
-(`FastPathStatus`). `ENVIRONMENT` and `KERNEL_CACHE` declare the package's
-environment variables. This module imports no MLX (``import mtp_engine``
-reads ``MTP_CPU_BLAS`` before MLX is imported).
+(`FastPathStatus`). `ENVIRONMENT` declares the only environment variables
+the package reads. This module imports no MLX (``import mtp_engine`` reads
+``MTP_CPU_BLAS`` before MLX is imported).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 
 ENVIRONMENT: dict[str, tuple[str, str]] = {
     # name: (EngineOptions field, what it does)
@@ -24,9 +23,6 @@ ENVIRONMENT: dict[str, tuple[str, str]] = {
     "MTP_CPU_ACTIVATIONS": ("cpu_activations", "0: MLX's own SiLU, sigmoid and softmax on the CPU"),
     "MTP_CPP_DRAFTER": ("cpp_drafter", "0: draft with the MLX head instead of the C++ head on the CPU"),
 }
-
-KERNEL_CACHE = "MTP_KERNEL_CACHE"
-"""Where the CUDA kernels compiled once per machine are kept (`kernel_cache_dir`)."""
 
 MAX_DRAFT_TOKENS = 16
 """Most drafts a chain verifies in one step (K in 1..16)."""
@@ -44,14 +40,6 @@ def env_flag(name: str) -> bool:
     field = ENVIRONMENT[name][0]
     text = os.environ.get(name)
     return _parse(field, text, name) if text else getattr(EngineOptions, field)
-
-
-def kernel_cache_dir() -> Path:
-    """Where compiled CUDA kernels are kept: ``$MTP_KERNEL_CACHE``, else
-    ``$XDG_CACHE_HOME/mtp_engine/cuda`` (``~/.cache/mtp_engine/cuda``)."""
-    if folder := os.environ.get(KERNEL_CACHE):
-        return Path(folder)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mtp_engine" / "cuda"
 
 
 @dataclass(frozen=True)

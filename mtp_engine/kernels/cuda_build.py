@@ -5,7 +5,7 @@ launches it (about 1.3 s a kernel on the H100, most of a short job's first
 prefill) and keeps no compiled custom kernel on disk. `CudaKernel` takes the
 same arguments and launches the same code, but compiles it with NVRTC (the
 library MLX itself loads) into a cubin kept under the user's cache
-(`mtp_engine.options.kernel_cache_dir`: ``~/.cache/mtp_engine/cuda`` unless
+(`mtp_engine.backend.kernel_cache_dir`: ``~/.cache/mtp_engine/cuda`` unless
 ``MTP_KERNEL_CACHE`` or ``XDG_CACHE_HOME`` says otherwise), named by the
 SHA-256 of the translation unit, the device's architecture and NVRTC's
 version, and runs it through
@@ -33,8 +33,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mtp_engine.backend import cuda_homes
-from mtp_engine.options import kernel_cache_dir
+from mtp_engine.backend import cuda_homes, kernel_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +97,7 @@ class CudaKernel:
         name, input_names, output_names, source, header: As ``mx.fast.cuda_kernel`` takes them.
         compiler: Turns a translation unit into a cubin for an architecture
             (default NVRTC through ctypes; tests pass their own).
-        directory: The cache (default `mtp_engine.options.kernel_cache_dir`).
+        directory: The cache (default `mtp_engine.backend.kernel_cache_dir`).
     """
 
     def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,

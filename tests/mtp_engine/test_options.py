@@ -56,7 +56,8 @@ def test_no_module_reads_the_environment_but_the_options():
         text = path.read_text()
         if "os.environ" in text or "getenv(" in text:
             readers.append(path.relative_to(ROOT).as_posix())
-    # options.py declares the package's variables; backend.py sets and records MLX's own.
+    # options.py declares the fast paths' variables; backend.py sets and records MLX's own and reads where
+    # CUDA's headers and the compiled kernels are.
     assert readers == ["mtp_engine/backend.py", "mtp_engine/options.py"]
 
 

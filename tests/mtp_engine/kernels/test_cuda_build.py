@@ -12,7 +12,7 @@ import pytest
 from mtp_engine.backend import is_cuda_backend
 from mtp_engine.kernels import cuda_build, cuda_moe, cuda_recurrence
 from mtp_engine.kernels.cuda_build import CUBIN_MAGIC, CudaKernel, translation_unit
-from mtp_engine.options import kernel_cache_dir
+from mtp_engine.backend import kernel_cache_dir
 
 SOURCE = "  const int i = threadIdx.x;\n  out[i] = static_cast<InT>(x[i] * SCALE);"
 TEMPLATE = [("InT", mx.bfloat16), ("SCALE", 3)]
