@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from mtp_engine.cache.batch import BatchKVCache
+from mtp_engine.cache.batch import BatchKVCache, filter_rows
 from mtp_engine.constraints import PathGrammars, constrain, masks_of
 from mtp_engine.drafters.base import Proposal
 from mtp_engine.drafters.compiled_head import CompiledHead
@@ -123,8 +123,7 @@ class HeadDrafter:
         self.pending = [_Pending(hidden, pending, counts)]
 
     def filter(self, rows: list[int]) -> None:
-        for c in self.cache:
-            c.filter(rows)
+        filter_rows(self.cache, rows)  # every layer trimmed with one read-back
         hidden, tokens, counts = self._gather_pending()
         index = mx.array(rows, dtype=mx.int32)
         self.pending = [_Pending(hidden[index], [tokens[r] for r in rows], [counts[r] for r in rows])] if rows else []

@@ -119,7 +119,7 @@ class CudaKernel:
                  threadgroup: tuple[int, int, int], output_shapes: list, output_dtypes: list) -> list[mx.array]:
         if self.reason is None:
             key = (tuple(x.dtype for x in inputs), tuple(template), tuple(output_dtypes))
-            built = self._built.get(key) or self._build(key, inputs, template, output_dtypes)
+            built = self._built.get(key) or self._build(key, template, output_dtypes)
             if built is not None:  # a launch that fails to load raises at evaluation; the cubin is checksummed
                 function, cubin = built
                 return mx.fast.precompiled_cuda_kernel(
@@ -160,7 +160,7 @@ class CudaKernel:
         _write(path, hashlib.sha256(cubin).digest() + cubin)
         return function, cubin
 
-    def _build(self, key, inputs, template, output_dtypes) -> tuple[str, bytes] | None:
+    def _build(self, key, template, output_dtypes) -> tuple[str, bytes] | None:
         try:
             built = self.build(key[0], template, output_dtypes, device_architecture())
         except (OSError, RuntimeError, KeyError, AttributeError) as e:

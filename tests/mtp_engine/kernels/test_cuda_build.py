@@ -95,7 +95,7 @@ def test_a_compile_that_fails_falls_back_to_mlx_and_says_why(tmp_path, monkeypat
     monkeypatch.setattr(cuda_build, "device_architecture", lambda: "sm_90")
     kernel = _kernel(broken, tmp_path)
     key = ((mx.bfloat16,), tuple(TEMPLATE), (mx.bfloat16,))
-    assert kernel._build(key, [], TEMPLATE, [mx.bfloat16]) is None
+    assert kernel._build(key, TEMPLATE, [mx.bfloat16]) is None
     assert kernel.reason == 'RuntimeError: nvrtcCompileProgram failed: identifier "uint32_t" is undefined'
     assert "the scale kernel is compiled by MLX in every process" in caplog.text
     assert not list(tmp_path.iterdir())
