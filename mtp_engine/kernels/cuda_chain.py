@@ -47,6 +47,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mtp_engine.backend import is_cuda_backend
+from mtp_engine.kernels.cuda_build import CudaKernel
 
 SOURCES = Path(__file__).parent / "cuda"
 
@@ -123,8 +124,8 @@ def source() -> str:
 
 @cache
 def _kernel():
-    return mx.fast.cuda_kernel(
-        name="mtp_draft_chain",
+    return CudaKernel(
+        name="draft_chain",
         input_names=list(INPUT_NAMES),
         output_names=list(OUTPUT_NAMES),
         source=source(),

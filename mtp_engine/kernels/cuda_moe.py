@@ -27,6 +27,8 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.switch_layers import SwiGLU
 
+from mtp_engine.kernels.cuda_build import CudaKernel
+
 SOURCES = Path(__file__).parent / "cuda"
 
 ROWS = 4
@@ -177,8 +179,8 @@ def tiles_fit(switch) -> str | None:
 @cache
 def tiles_kernel():
     """The compiled prefill kernel (``mx.fast.cuda_kernel``'s calling convention)."""
-    return mx.fast.cuda_kernel(name="mtp_moe_tiles", input_names=TILE_INPUT_NAMES, output_names=OUTPUT_NAMES,
-                               source=tiles_source(), header=header())
+    return CudaKernel(name="moe_tiles", input_names=TILE_INPUT_NAMES, output_names=OUTPUT_NAMES,
+                      source=tiles_source(), header=header())
 
 
 def tiles_source() -> str:

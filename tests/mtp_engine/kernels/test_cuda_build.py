@@ -6,11 +6,13 @@ and the real compile and launch with the GPU tests below."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import mlx.core as mx
 import pytest
 
 from mtp_engine.backend import is_cuda_backend
-from mtp_engine.kernels import cuda_build, cuda_moe, cuda_recurrence
+from mtp_engine.kernels import cuda_build, cuda_chain, cuda_moe, cuda_recurrence
 from mtp_engine.kernels.cuda_build import CUBIN_MAGIC, CudaKernel, translation_unit
 from mtp_engine.backend import kernel_cache_dir
 
@@ -171,7 +173,7 @@ def _nvrtc_or_none():
 
 
 @pytest.mark.skipif(_nvrtc_or_none() is None, reason="needs NVRTC (MLX's CUDA build, or the nvidia-cuda-nvrtc package)")
-@pytest.mark.parametrize("kernel", ["gated_delta_tokens", "moe_tiles"])
+@pytest.mark.parametrize("kernel", ["gated_delta_tokens", "moe_tiles", "draft_chain"])
 def test_nvrtc_compiles_the_engine_kernels(kernel, tmp_path):
     """The real compiler takes the translation units (no GPU needed): every
     type the sources use is declared, for the 80B-A3B shapes in bfloat16."""
@@ -183,6 +185,14 @@ def test_nvrtc_compiles_the_engine_kernels(kernel, tmp_path):
                            (cuda_recurrence.SOURCES / "gated_delta_tokens.cuh").read_text(), directory=tmp_path)
         args = ([bf16] * 5 + [mx.float32] + [mx.int32] * 3,
                 [("InT", bf16), ("Dk", 128), ("Dv", 128), ("Hk", 16), ("Hv", 32)], [bf16, mx.float32])
+    elif kernel == "draft_chain":  # the shipped model's head
+        built = CudaKernel(kernel, cuda_chain.INPUT_NAMES, cuda_chain.OUTPUT_NAMES, cuda_chain.source(),
+                           cuda_chain.header(), directory=tmp_path)
+        c = {"dim": 384, "heads": 6, "kv_heads": 2, "head_dim": 64, "rope_dims": 16, "vocab": 3072, "experts": 4,
+             "top_k": 2, "expert_dim": 192, "shared_dim": 192, "norm_topk": True}
+        template = cuda_chain.ChainKernel.template(SimpleNamespace(config=c, dtype=bf16), bf16, bf16)
+        args = ([bf16, mx.int32, mx.int32, mx.float32, mx.float32, bf16, bf16] + [bf16] * len(cuda_chain.WEIGHT_ARGS),
+                template, [mx.int32, bf16, bf16, mx.float32])
     else:
         built = CudaKernel(kernel, cuda_moe.TILE_INPUT_NAMES, cuda_moe.OUTPUT_NAMES, cuda_moe.tiles_source(),
                            cuda_moe.header(), directory=tmp_path)
