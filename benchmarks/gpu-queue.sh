@@ -2,7 +2,7 @@
 # Several h200.sh suites in one device session, without the machine idling between them: `start` copies the tree
 # to /root/repo and runs the suites one after another in a detached process (setsid), each into /root/res
 # (its output in SUITE.out, the times in queue.log, DONE at the end); `poll` waits until DONE or SECONDS pass and
-# copies /root/res into $OUT. Call `poll` back to back (a machine idle ~30 s is given back) until it prints DONE.
+# brings /root/res back as $OUT/res.tgz. Call `poll` back to back (a machine idle ~30 s is given back) until it prints DONE.
 #
 #   bash benchmarks/gpu-queue.sh start tests tests-decoder job-80b "audit MODES=adaptive LIMIT=300"
 #   bash benchmarks/gpu-queue.sh poll 540
@@ -41,7 +41,7 @@ case "${1:?start SUITE... or poll SECONDS}" in
   poll)
     end=$((SECONDS + ${2:-540}))
     while [ ! -f "$res/DONE" ] && [ "$SECONDS" -lt "$end" ]; do sleep 5; done
-    cp -r "$res/." "${OUT:?}/"
+    tar czf "${OUT:?}/res.tgz" -C "$res" .  # one file: a call brings back only a few
     cat "$res/queue.log" 2>/dev/null
     for f in "$res"/*.out; do [ -f "$f" ] && { echo "== $f"; tail -n 6 "$f"; }; done
     [ -f "$res/DONE" ] && echo DONE ;;

@@ -62,9 +62,11 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H1
 
 case "${1:?tests, ab, ab-job, first-use, tests-decoder, shipped, dataset, sampling, lossless, job, audit, job-80b, job-80b-b8, job-80b-sampled, job-80b-weak, job-80b-falling, job-80b-prefix, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
-    timeout "${LIMIT:-480}" python3 -m pytest -q -p no:cacheprovider tests/mtp_engine/kernels tests/mtp_engine/drafters \
-      tests/mtp_engine/model/test_rowwise.py tests/mtp_engine/model/test_dispatch.py tests/mtp_engine/model/test_rope.py \
-      tests/mtp_engine/model/test_quantized.py tests/mtp_engine/test_sampling.py -rfEs --durations=15 2>&1 \
+    # TESTS=a,b: these pytest arguments instead, comma-separated (a queue suite's VAR=VALUE holds no spaces)
+    tests=${TESTS:-tests/mtp_engine/kernels,tests/mtp_engine/drafters,tests/mtp_engine/model/test_rowwise.py}
+    [ -n "${TESTS:-}" ] || tests+=",tests/mtp_engine/model/test_dispatch.py,tests/mtp_engine/model/test_rope.py"
+    [ -n "${TESTS:-}" ] || tests+=",tests/mtp_engine/model/test_quantized.py,tests/mtp_engine/test_sampling.py"
+    timeout "${LIMIT:-480}" python3 -m pytest -q -p no:cacheprovider ${tests//,/ } -rfEs --durations=15 2>&1 \
       | tee "$out/$gpu-tests.log" | tail -40 ;;
   ab|ab-job)
     # an older commit (gpu-ab.sh stage REV; .ab-old in the call's carry) against this tree, alternating; ab: ARGS to
