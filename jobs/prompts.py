@@ -29,6 +29,7 @@ from jobs.config import MAX_N, JobConfig
 from jobs.readers import SourceRow
 from mtp_engine.constraints import Constraint, ConstraintError, from_fields, validate
 from mtp_engine.sampling import SamplingParams, check_logprobs
+from mtp_engine.stopping import check_max_tokens
 
 SAMPLING_OVERRIDES = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
                       "frequency_penalty")
@@ -232,9 +233,10 @@ class Preparer:
         max_tokens = data.get("max_tokens", cfg.max_tokens)
         if max_tokens is None:
             max_tokens = cfg.max_tokens
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            return self._error(row, rid, "invalid_field", f"max_tokens must be a positive integer, got {max_tokens!r}",
-                               prompt, chat)
+        try:
+            check_max_tokens(max_tokens)
+        except ValueError as e:
+            return self._error(row, rid, "invalid_field", str(e), prompt, chat)
         stop = data.get("stop", None)
         if stop is None:
             stop = cfg.stop

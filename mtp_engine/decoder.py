@@ -42,7 +42,7 @@ from mtp_engine.drafters.select import GREEDY_ONLY, greedy_only
 from mtp_engine.modes import CHAINS, DecodeConfig
 from mtp_engine.prefix import PrefixState, copy_caches
 from mtp_engine.sampling import SamplingParams, apply_penalties, check_logprobs, choose, token_logprobs, top_logits
-from mtp_engine.stopping import Finisher, stop_list
+from mtp_engine.stopping import Finisher, check_max_tokens, stop_list
 from mtp_engine.verify import verify
 from mtp_engine.warmup import warm_up
 from schemas.records import GenerationResult, GenerationStats, StepTrace
@@ -155,8 +155,7 @@ class Decoder:
         Raises the errors of `MTPEngine.generate`, and
         `mtp_engine.constraints.ConstraintError` for a constraint that does
         not compile."""
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        check_max_tokens(max_tokens)
         if not samples or not all(isinstance(p, SamplingParams) for p in samples):
             raise TypeError("samples must be a non-empty list of SamplingParams")
         mode = self.decode.mode
@@ -363,17 +362,17 @@ class Decoder:
 
     # -- rows joining and leaving ---------------------------------------------
 
-    def _ready_for(self, q: _Queued) -> bool:
-        """Whether rows of ``q`` can join now. The drafter is made for the
-        first rows; "auto" drafts greedy rows with the C++ head (or the CUDA
-        kernel) where there is one, so the first sampled or constrained rows
-        wait for an empty batch, which then drafts with the MLX head."""
+    def _ready_for(self, q: _Queued, joining: bool = False) -> bool:
+        """Whether rows of ``q`` can join now (``joining``: behind prompts in prefill). The drafter
+        is made for the first rows; "auto" drafts greedy rows with the C++ head (or the CUDA kernel)
+        where there is one, so the first sampled or constrained rows wait for an empty batch, which
+        then drafts with the MLX head."""
         if not self.k or self._head_off:
             return True
         greedy = all(p.greedy for p in q.samples) and q.constraint is None
         if self.drafter is not None and (greedy or self.drafter.name not in GREEDY_ONLY):
             return True
-        if self.live or not self._own_drafter:
+        if self.live or joining or not self._own_drafter:
             return False
         self._keep([])
         engine = self.engine
@@ -381,17 +380,28 @@ class Decoder:
         return True
 
     def _admit(self) -> list[tuple[Hashable, GenerationResult]]:
-        """Prefill queued prompts, one at a time, while the live rows and the
-        prompt's samples fit the batch (a prompt with n samples needs n
-        places, or an empty batch)."""
+        """Prefill queued prompts while the live rows and the prompts' samples fit the batch (a prompt
+        with n samples needs n places, or an empty batch), each dispatched while the host builds the
+        next, their first tokens read in one sync; rows ending there leave their places."""
         finished = []
         replaced = False
-        while self.queue and self._ready_for(self.queue[0]):
-            if self.live and self.live + len(self.queue[0].samples) > self.decode.batch_size:
+        while True:
+            joining, places, t0 = [], self.live, time.perf_counter()
+            while self.queue and self._ready_for(self.queue[0], joining=bool(joining)):
+                if places and places + len(self.queue[0].samples) > self.decode.batch_size:
+                    break
+                places += len(self.queue[0].samples)
+                joining.append(self._prefill(self.queue.pop(0)))
+            if not joining:
                 break
-            free = [b for b, r in enumerate(self.rows) if r.ghost]
-            replaced |= bool(free)
-            finished += self._join(self.queue.pop(0), free)
+            self.hooks.lap(None)
+            mx.eval([j[-1] for j in joining] + [j[2] for j in joining if j[2] is not None])
+            self.hooks.lap("prefill")
+            prefill_s = (time.perf_counter() - t0) / len(joining)  # each prompt's share
+            for j in joining:
+                free = [b for b, r in enumerate(self.rows) if r.ghost]
+                replaced |= bool(free)
+                finished += self._join(*j[:-1], j[-1].tolist(), free, prefill_s / len(j[0].samples))
         if replaced:
             self.hooks.lap(None)
             trim_leading(self.caches, BatchKVCache.step)  # entries only rows that left attended
@@ -407,17 +417,15 @@ class Decoder:
             self._keep(sorted(live + ghosts))
             self.hooks.lap("leave", states=self.caches)
 
-    def _join(self, q: _Queued, free: list[int]) -> list[tuple[Hashable, GenerationResult]]:
-        """Prefill one queued prompt; each of its rows takes a place from
-        ``free`` (popped) or joins at the end. Returns rows that finished
-        with their first token."""
+    def _prefill(self, q: _Queued) -> tuple:
+        """Dispatch one queued prompt's prefill and first tokens (read by
+        `_admit`): ``(q, caches, hidden, logits, grammars, first tokens)``."""
         engine = self.engine
         self.hooks.lap(None)
-        t0 = time.perf_counter()
         start = 0 if q.prefix is None else len(q.prefix)  # the prefix's caches, copied, then the row's own tokens
         caches = make_main_cache(engine.model) if q.prefix is None else copy_caches(q.prefix.caches)
         hidden, logits = engine.prefill(q.prompt[start:], caches, keep_hidden=self.drafter is not None,
-                                        evaluate=False)  # the first tokens' read-back below is its one sync
+                                        evaluate=False)  # the first tokens' read-back is its one sync
         if q.prefix is not None and self.drafter is not None:
             hidden = mx.concatenate([q.prefix.hidden, hidden], axis=1)
         logits = mx.concatenate([logits] * len(q.samples))
@@ -425,20 +433,21 @@ class Decoder:
         if grammars is not None:
             logits = constrain(logits, masks_of(grammars))
         firsts = choose(logits, q.samples, mx.zeros((len(q.samples), 1), dtype=mx.int32))  # position 0
-        mx.eval(firsts, hidden if hidden is not None else [])
-        firsts = firsts.tolist()
+        mx.async_eval(firsts, hidden if hidden is not None else [])
         self.hooks.lap("prefill")
-        prefill_s = (time.perf_counter() - t0) / len(q.samples)
+        return q, caches, hidden, logits, grammars, firsts
+
+    def _join(self, q: _Queued, caches: list, hidden: mx.array | None, logits: mx.array, grammars, firsts: list,
+              free: list[int], prefill_s: float) -> list[tuple[Hashable, GenerationResult]]:
+        """Place a prefilled prompt's rows: each takes a place from ``free``
+        (popped) or joins at the end. Returns rows that finished with their
+        first token."""
+        engine = self.engine
+        self.hooks.lap(None)
         finished = []
-        decode = self.decode
         for j, (params, (x,)) in enumerate(zip(q.samples, firsts)):
             key = (q.key, j)
-            stats = GenerationStats(mode=decode.mode, prompt_tokens=len(q.prompt), temperature=params.temperature,
-                                    seed=None if params.greedy else params.seed, prefill_s=prefill_s,
-                                    **decode.stats_params())
-            stats.histogram = [0] * (self.k + 1) if self.k else []
-            stats.depths = [0] * (self.k + 1) if self.controller is not None else []
-            stats.row_wins = [0] * decode.max_paths if self.k else []
+            stats = self.decode.start_stats(params, len(q.prompt), prefill_s)
             finisher = Finisher(engine.tokenizer, engine.eos_token_ids, q.max_tokens, q.stop)
             row = _Row(key, q.prompt, finisher, stats, x, params, [] if q.trace else None,
                        acceptance=RowAcceptance.empty(self.k) if self.controller is not None else None,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from mtp_engine.options import MAX_DRAFT_TOKENS
+from schemas.records import GenerationStats
 
 MODES = ("baseline", "auto", "chain", "adaptive", "tree", "adaptive_tree", "paths")
 SPECULATIVE_MODES = MODES[1:]
@@ -80,12 +81,17 @@ class DecodeConfig:
         """Paths a row may verify in one step."""
         return {"tree": 3 if self.tree_pos2 else 2, "adaptive_tree": 2, "paths": self.paths}.get(self.mode, 1)
 
-    def stats_params(self) -> dict:
-        """The parameters recorded with results."""
-        if self.mode == "baseline":
-            return {"draft_tokens": 0, "paths": 1, "tau": None}
+    def start_stats(self, sampling, prompt_tokens: int, prefill_s: float) -> GenerationStats:
+        """A new row's `GenerationStats`: its parameters as results record
+        them, and a counter for each draft count, depth and path it may meet
+        (`GenerationStats.count_step`). ``sampling``: its `SamplingParams`."""
+        k = self.draft_tokens if self.speculative else 0
         tau = self.tau if self.mode in ("adaptive", "adaptive_tree") else None
-        return {"draft_tokens": self.draft_tokens, "paths": self.max_paths, "tau": tau}
+        return GenerationStats(mode=self.mode, prompt_tokens=prompt_tokens, temperature=sampling.temperature,
+                               seed=None if sampling.greedy else sampling.seed, prefill_s=prefill_s,
+                               draft_tokens=k, paths=self.max_paths, tau=tau,
+                               histogram=[0] * (k + 1) if k else [], row_wins=[0] * self.max_paths if k else [],
+                               depths=[0] * (k + 1) if self.mode == "auto" else [])
 
 
 FIELDS = tuple(f.name for f in fields(DecodeConfig))

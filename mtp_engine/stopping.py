@@ -65,3 +65,10 @@ def stop_list(stop) -> list[str]:
     if any(s == "" for s in stop):
         raise ValueError("stop strings must not be empty")
     return list(stop)
+
+
+def check_max_tokens(value) -> int:
+    """``value`` if it is a token budget (a positive int), else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_tokens must be a positive integer, got {value!r}")
+    return value

@@ -178,11 +178,6 @@ class BatchKVCache:
         if pad:
             self.holes = True
 
-    def trim_leading(self, least: int = 1) -> None:
-        """Drop the leading entries that every row has as holes, if there
-        are at least ``least`` of them (dropping copies every row's entries)."""
-        trim_leading([self], least)
-
     def take(self, rows: list[int]) -> "BatchKVCache":
         """A new cache holding these rows (repeats allowed: a row per path
         of a draft tree); this one is unchanged."""
@@ -194,14 +189,11 @@ class BatchKVCache:
             out.keys, out.values, out.valid = self.keys[index], self.values[index], self.valid[index]
         return out
 
-    def filter(self, rows: list[int], trim: bool = True) -> None:
-        """Keep only these rows (in this order); with ``trim``, drop the
-        leading entries no row attends (a host sync)."""
+    def filter(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order (`filter_rows` then trims leading holes)."""
         kept = self.take(rows) if rows else BatchKVCache()
         self.keys, self.values, self.valid = kept.keys, kept.values, kept.valid
         self.idx, self.positions, self.holes = kept.idx, kept.positions, kept.holes
-        if trim:
-            self.trim_leading()
 
 
 @lru_cache(maxsize=8)
@@ -267,8 +259,8 @@ def replace_row(batch: list, row: list, slot: int) -> None:
 
 
 def trim_leading(batch: list, least: int = 1) -> None:
-    """`BatchKVCache.trim_leading` for every attention cache of the batch,
-    reading what the host needs in two syncs for all of them."""
+    """Drop the leading entries every row of an attention cache has as holes, where there are at
+    least ``least`` (dropping copies every row's entries); two syncs for all the caches."""
     caches = [c for c in batch if isinstance(c, BatchKVCache) and c.keys is not None and c.idx]
     leads = [mx.argmax(mx.any(c.valid[:, : c.idx], axis=0)) for c in caches]
     mx.eval(leads)
@@ -291,7 +283,7 @@ def filter_rows(batch: list, rows: list[int], trim: bool = True) -> None:
     index = mx.array(rows, dtype=mx.int32)
     for c in batch:
         if isinstance(c, BatchKVCache):
-            c.filter(rows, trim=False)
+            c.filter(rows)
         else:
             c.cache = [x[index] if x is not None else None for x in c.cache] if rows else [None] * len(c.cache)
             c.clear_captured()

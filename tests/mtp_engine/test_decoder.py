@@ -238,7 +238,7 @@ def test_rows_that_end_at_their_first_token_leave_their_places_within_one_admiss
     (dict(mode="beam"), ValueError, "unknown mode 'beam'"),
     (dict(draft_tokens=17), ValueError, "draft_tokens must be an int in 1..16, got 17"),
     (dict(max_tokens=[4]), ValueError, "1 max_tokens for 2 prompts"),
-    (dict(max_tokens=0), ValueError, "max_tokens must be a positive int, got 0"),
+    (dict(max_tokens=0), ValueError, "max_tokens must be a positive integer, got 0"),
     (dict(drafter="gpu"), ValueError, "drafter must be one of"),
     (dict(prefill_ahead=1), TypeError, "unknown keyword 'prefill_ahead'"),
 ])
