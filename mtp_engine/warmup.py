@@ -2,7 +2,7 @@
 
 On a GPU a process pays first uses (kernels loaded or compiled, buffers
 allocated: on an H100 its first prefill 0.6 s with the engine's kernels
-compiled on disk, 1.4-2.3 s without; every later step milliseconds,
+compiled on disk, 0.76 s compiling them; every later step milliseconds,
 `benchmarks/first_use.py`), and mode "auto"'s
 controller needs the step costs measured before it can choose. `warm_up`
 meets them all at once, on made-up rows, so a job's first-use cost is one

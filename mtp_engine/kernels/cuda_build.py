@@ -4,7 +4,9 @@ MLX compiles an ``mx.fast.cuda_kernel`` with NVRTC the first time a process
 launches it (about 1.3 s a kernel on the H100, most of a short job's first
 prefill) and keeps no compiled custom kernel on disk. `CudaKernel` takes the
 same arguments and launches the same code, but compiles it with NVRTC (the
-library MLX itself loads) into a cubin kept under the user's cache
+library MLX itself loads; the first prefill of a process that compiles the
+engine's kernels so cost 0.76 s on the H100, one reading them 0.60 s)
+into a cubin kept under the user's cache
 (`mtp_engine.backend.kernel_cache_dir`: ``~/.cache/mtp_engine/cuda`` unless
 ``MTP_KERNEL_CACHE`` or ``XDG_CACHE_HOME`` says otherwise), named by the
 SHA-256 of the translation unit, the device's architecture and NVRTC's
