@@ -13,6 +13,7 @@
 #                                      # batched chains B=8..32 K=1..4, all prompts then loop-free -> h200-dataset*.json
 #   bash benchmarks/h200.sh sampling   # shipped model, plain sampling vs both samplers, T=0.7 and 1.0 -> h200-sampling.json
 #   bash benchmarks/h200.sh lossless   # shipped model, bf16, every mode vs mlx-lm greedy -> h200-lossless.json
+#   bash benchmarks/h200.sh profile    # the job suite's job under cProfile, one mode a process -> h200-profile-MODE.txt
 #   bash benchmarks/h200.sh audit      # shipped model, a 64-row job in each speculative mode, audited against plain
 #                                      # decoding (python -m jobs audit) -> h200-audit-MODE.json; MODES="..." picks
 #                                      # modes (adaptive, one row at a time, takes minutes: give it a call of its own)
@@ -60,7 +61,7 @@ bench="python3 -u -m mtp_engine.bench"
 # Result files are named after the card that made them: h200-*.json or h100-*.json.
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && echo h100 || echo h200)
 
-case "${1:?tests, ab, ab-job, first-use, tests-decoder, shipped, dataset, sampling, lossless, job, audit, job-80b, job-80b-b8, job-80b-sampled, job-80b-weak, job-80b-falling, job-80b-prefix, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
+case "${1:?tests, ab, ab-job, first-use, tests-decoder, profile, shipped, dataset, sampling, lossless, job, audit, job-80b, job-80b-b8, job-80b-sampled, job-80b-weak, job-80b-falling, job-80b-prefix, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
     # TESTS=a,b: these pytest arguments instead, comma-separated (a queue suite's VAR=VALUE holds no spaces)
     tests=${TESTS:-tests/mtp_engine/kernels,tests/mtp_engine/drafters,tests/mtp_engine/model/test_rowwise.py}
@@ -107,6 +108,16 @@ case "${1:?tests, ab, ab-job, first-use, tests-decoder, shipped, dataset, sampli
     timeout "${LIMIT:-560}" python3 -u -m jobs.bench --dataset examples/prompts.jsonl --limit 64 --max-tokens 96 \
       --modes ${MODES:-baseline auto chain:3} --rounds ${ROUNDS:-2} --batch-size 32 --temperatures ${TEMPS:-0 0.7} \
       ${EXTRA:-} --json "$out/$gpu-job${TAG:-}.json" ;;
+  profile)
+    # the job suite's job under cProfile, one process per mode (MODES, default plain batching and auto; ROUNDS, default
+    # 3): where the host's time goes, by function -> GPU-profile-MODE.txt (the 45 costliest by own and by total time)
+    for mode in ${MODES:-baseline auto}; do
+      timeout "${LIMIT:-240}" python3 -m cProfile -o "/tmp/profile-$mode.prof" -m jobs.bench --dataset examples/prompts.jsonl \
+        --limit 64 --max-tokens 96 --modes "$mode" --rounds ${ROUNDS:-3} --batch-size 32 --temperatures ${TEMPS:-0} \
+        ${EXTRA:-} 2>&1 | tail -3
+      python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('tottime').print_stats(45); \
+s.sort_stats('cumulative').print_stats(45)" "/tmp/profile-$mode.prof" > "$out/$gpu-profile-$mode.txt"
+    done ;;
   audit)
     # A 64-row job of the shipped model (bfloat16) in every mode (plain batching too), each folder audited against plain
     # decoding (python -m jobs audit; --logprobs 0 keeps the token ids, so the audit finds where tokens part, not only

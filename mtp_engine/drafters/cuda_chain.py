@@ -1,5 +1,5 @@
 """Chain drafts from the CUDA chain kernel (`mtp_engine.kernels.cuda_chain`):
-a whole chain of K drafts in one launch."""
+every row's chain of K drafts in one launch."""
 
 from __future__ import annotations
 
@@ -63,35 +63,29 @@ def build_chain_kernel(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> t
 
 
 class CudaChainDrafter(HeadDrafter):
-    """`HeadDrafter` whose chains, for a batch of one row, run as one
-    `ChainKernel` launch.
-
-    The kernel drafts one sequence; other batches, other modes and sampling
-    draft with the MLX head (the head's cache and pending pairs are the MLX
-    drafter's, so the two take turns on one state).
-    """
+    """`HeadDrafter` whose greedy chains, every row's, run as one `ChainKernel`
+    launch. Other modes, sampling and pending pairs wider than the kernel
+    takes (a long run of plain steps) draft with the MLX head (the head's
+    cache and pending pairs are the MLX drafter's, so the two take turns on
+    one state)."""
 
     def __init__(self, head: MTPHead, embed: nn.Module, lm_head, prefill_step_size: int, kernel: ChainKernel):
-        # Not compiled: here the MLX head consumes only a long prompt's pairs, a width traced for one use.
         super().__init__(head, embed, lm_head, prefill_step_size)
         self.name = "cuda"
         self.kernel = kernel
 
     def propose(self, decode, k: int, params, starts, caps) -> Proposal:
-        """K greedy drafts of the one row, ``[1, k]`` int32, from one kernel
+        """K greedy drafts of every row, ``[rows, k]`` int32, from one kernel
         launch (its evaluation starts at once; not read back)."""
-        if self.rows != 1 or decode.mode not in CHAINS or not params[0].greedy or not 1 <= k <= MAX_DRAFTS:
+        hidden, tokens, counts = self._gather_pending()
+        if (decode.mode not in CHAINS or not all(p.greedy for p in params) or not 1 <= k <= MAX_DRAFTS
+                or hidden.shape[1] > MAX_PENDING):
             return super().propose(decode, k, params, starts, caps)
-        hidden, tokens, _ = self._gather_pending()
-        tokens = tokens[0]
-        c = self.cache[0]
-        if len(tokens) > MAX_PENDING:
-            # A prompt's pairs: all but the last through the MLX head (chunked).
-            self._forward(hidden[:, : len(tokens) - 1], mx.array(tokens[:-1])[None], self.cache)
-            hidden, tokens = hidden[:, len(tokens) - 1 : len(tokens)], tokens[-1:]
-        drafts, new_k, new_v = self.kernel(hidden[0, : len(tokens)], tokens, c.keys, c.values, c.idx, k)
-        shape = (1, new_k.shape[0], len(tokens), new_k.shape[2])
-        c.update_and_fetch(new_k.reshape(shape), new_v.reshape(shape))
+        c, width = self.cache[0], hidden.shape[1]
+        drafts, new_k, new_v = self.kernel(hidden, [t + [0] * (width - len(t)) for t in tokens], counts,
+                                           c.positions, c.keys, c.values, c.valid if c.holes else None, c.idx, k)
+        c.update_and_fetch(new_k, new_v)  # the pairs' entries, each row keeping its own (as `_consume` keeps them)
+        c.settle(counts, width)
         self._base = (c.idx, list(c.positions))
         mx.async_eval(drafts)
-        return Proposal(drafts.reshape(1, k), uses=caps)
+        return Proposal(drafts, uses=caps)

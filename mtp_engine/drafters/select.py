@@ -2,8 +2,8 @@
 
 "auto" takes the fastest drafter that serves the mode and the rows'
 sampling: the C++ head for greedy chains and adaptive chains where the
-engine has it, else the CUDA chain kernel for greedy chains (a batch of one
-row; other batches fall back to the MLX head inside it), else the MLX head.
+engine has it, else the CUDA chain kernel for greedy chains (every row's in one
+launch), else the MLX head.
 Constrained rows (`mtp_engine.constraints`) draft masked chains with the
 MLX head: modes baseline, auto and chain. Drafters change speed, never
 output.
@@ -71,7 +71,7 @@ def build_drafters(head, embed, lm_head, lm_head_module, prefill_step_size: int,
 
         parts.kernel, why = build_chain_kernel(head, embed, lm_head_module)
     parts.statuses.append(decide("cuda_chain_drafter", options.cuda_chain_drafter, True, why,
-                                 "a greedy chain in one launch (a batch of one row)"))
+                                 "every row's greedy chain in one launch"))
     return parts
 
 

@@ -1,4 +1,4 @@
-"""A whole chain of MTP drafts in one CUDA kernel launch.
+"""Whole chains of MTP drafts, every row of a batch, in one CUDA kernel launch.
 
 On a GPU a small model's decoding is host-bound: every kernel costs a few
 microseconds of host time (Python building the graph, MLX encoding the
@@ -6,10 +6,13 @@ launch) and the GPU idles between them. A draft step of a small head is
 about fifty kernels even compiled, so a chain of drafts launches about as
 many kernels as the verify forward it feeds.
 
-`ChainKernel` runs the head's whole chain in one launch of one thread block:
-the pending pairs (the accepted tokens against the trunk's true hiddens),
-then K-1 greedy steps, each feeding its token and hidden to the next. The
-block works through each step in phases separated by ``__syncthreads``:
+`ChainKernel` runs the head's whole chain for every row in one launch, one
+thread block a row: the row's pending pairs (the accepted tokens against the
+trunk's true hiddens), then K-1 greedy steps, each feeding its token and
+hidden to the next. A row attends to its own entries of the head's batched
+KV cache (`mtp_engine.cache.batch.BatchKVCache`: its holes masked, its own
+RoPE positions). A block works through each step in phases separated by
+``__syncthreads``:
 norms, the ``fc``, the attention projections, RMS-normed queries and keys
 with RoPE, attention over the head's KV cache and the new positions, the
 gated output projection, the MoE block (softmax router, top-k, SwiGLU
@@ -18,9 +21,11 @@ argmax. Products are warp-per-output dot products over 16-byte weight
 loads; everything accumulates in float32.
 
 What it keeps: the pending pairs' keys and values come back in the cache's
-dtype and join the head's KV cache (those positions are committed text, as
-with the MLX head); the drafted positions' keys and values live only in
-the kernel's scratch, since the next commit drops them anyway.
+dtype, ``[rows, kv_heads, width, head_dim]`` (zeros past a row's own pairs,
+which the cache then holds as holes, as with the MLX head), and join the
+head's KV cache (those positions are committed text); the drafted
+positions' keys and values live only in the kernel's scratch, since the
+next commit drops them anyway.
 
 Drafts only propose tokens: the verify forward decides every emitted token,
 so this arithmetic (float32 throughout, where the MLX head rounds each op to
@@ -65,7 +70,7 @@ reads a few MB a step; a Qwen3-Next-80B head, whose LM head alone is 600 MB
 in bfloat16, keeps the MLX head."""
 
 THREADS = 512
-"""Threads of the one block (16 warps). MLX's custom kernels cannot declare
+"""Threads of a row's block (16 warps). MLX's custom kernels cannot declare
 launch bounds, so 1024 threads launch only while the compiler keeps to 64
 registers a thread, which a float32 head exceeds; 512 allows 128 and was
 as fast (docs/BENCHMARKS.md)."""
@@ -88,7 +93,7 @@ WEIGHT_ARGS = (
 )
 """The kernel's names for them."""
 
-INPUT_NAMES = ("hidden", "tokens", "meta", "fparams", "inv_freq", "k_cache", "v_cache") + WEIGHT_ARGS
+INPUT_NAMES = ("hidden", "tokens", "meta", "rows_meta", "fparams", "inv_freq", "k_cache", "v_cache", "valid") + WEIGHT_ARGS
 OUTPUT_NAMES = ("drafts", "new_k", "new_v", "work")
 
 def work_offsets(config: dict) -> dict[str, int]:
@@ -164,35 +169,47 @@ class ChainKernel:
             ("MAXM", MAX_PENDING), ("MAXK", MAX_DRAFTS),
         ]
 
-    def arguments(self, hidden: mx.array, tokens: list[int], keys, values, offset: int, k: int):
+    def arguments(self, hidden: mx.array, tokens: list[list[int]], counts: list[int], positions: list[int],
+                  keys, values, valid, offset: int, k: int):
         """Inputs, template, output shapes and dtypes of one launch (shared
-        with the tests' emulator)."""
+        with the tests' emulator); the arguments are `__call__`'s."""
         c = self.config
-        m = len(tokens)
+        rows, width = len(tokens), hidden.shape[1]
         cache_dtype = keys.dtype if keys is not None else self.dtype
         if keys is None:
-            keys = values = mx.zeros((1, c["kv_heads"], 1, c["head_dim"]), dtype=cache_dtype)
-        pmax = offset + m + k
-        if not 1 <= m <= MAX_PENDING or not 1 <= k <= MAX_DRAFTS:
+            keys = values = mx.zeros((rows, c["kv_heads"], 1, c["head_dim"]), dtype=cache_dtype)
+        if not 1 <= width <= MAX_PENDING or not 1 <= k <= MAX_DRAFTS:
             raise ValueError(f"the chain kernel takes 1..{MAX_PENDING} pairs and 1..{MAX_DRAFTS} drafts, "
-                             f"got {m} and {k}")
-        meta = mx.array([offset, m, keys.shape[2], pmax, k], dtype=mx.int32)
-        inputs = [hidden, mx.array(tokens, dtype=mx.int32), meta, self.fparams, self.inv_freq, keys, values]
+                             f"got {width} and {k}")
+        if not all(1 <= n <= width for n in counts) or {len(t) for t in tokens} != {width}:
+            raise ValueError(f"each row needs 1..{width} pairs and {width} tokens, got {counts}")
+        pmax = offset + width + k
+        work = self.fixed_work + c["heads"] * pmax
+        vcap = 0 if valid is None else valid.shape[1]
+        meta = mx.array([offset, width, keys.shape[2], pmax, k, vcap, work], dtype=mx.int32)
+        rows_meta = mx.array([[n, p] for n, p in zip(counts, positions)], dtype=mx.int32)
+        inputs = [hidden, mx.array(tokens, dtype=mx.int32), meta, rows_meta, self.fparams, self.inv_freq, keys, values,
+                  valid if valid is not None else mx.zeros((1,), dtype=mx.bool_)]
         inputs += self.weights
-        shapes = [(k,), (c["kv_heads"], m, c["head_dim"]), (c["kv_heads"], m, c["head_dim"]),
-                  (self.fixed_work + c["heads"] * pmax,)]
+        new = (rows, c["kv_heads"], width, c["head_dim"])
+        shapes = [(rows, k), new, new, (rows * work,)]
         dtypes = [mx.int32, cache_dtype, cache_dtype, mx.float32]
         return inputs, self.template(hidden.dtype, cache_dtype), shapes, dtypes
 
-    def __call__(self, hidden: mx.array, tokens: list[int], keys, values, offset: int, k: int):
-        """Launch the chain: ``hidden`` ``[m, dim]`` and ``tokens`` (m pending
-        pairs, m <= `MAX_PENDING`) at positions ``offset..``, over a KV cache
-        (``keys``/``values`` ``[1, kv_heads, cap, head_dim]`` holding
-        ``offset`` entries, or None when empty). Returns the drafts ``[k]``
-        int32 and the pairs' keys and values ``[kv_heads, m, head_dim]``."""
-        inputs, template, shapes, dtypes = self.arguments(hidden, tokens, keys, values, offset, k)
+    def __call__(self, hidden: mx.array, tokens: list[list[int]], counts: list[int], positions: list[int],
+                 keys, values, valid, offset: int, k: int):
+        """Launch every row's chain. Row ``r`` has ``counts[r]`` pending pairs
+        (at most `MAX_PENDING`): ``hidden[r]`` and ``tokens[r]``, right-padded
+        to the width of ``hidden`` ``[rows, width, dim]``, at RoPE positions
+        ``positions[r]..``, after a KV cache (``keys``/``values`` ``[rows,
+        kv_heads, cap, head_dim]`` holding ``offset`` entries, or None when
+        empty) whose entries it attends where ``valid`` ``[rows, >= offset]``
+        (None: all). Returns the drafts ``[rows, k]`` int32 and the pairs'
+        keys and values ``[rows, kv_heads, width, head_dim]``."""
+        inputs, template, shapes, dtypes = self.arguments(hidden, tokens, counts, positions, keys, values, valid,
+                                                          offset, k)
         drafts, new_k, new_v, _ = _kernel()(
-            inputs=inputs, template=template, grid=(THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+            inputs=inputs, template=template, grid=(THREADS, len(tokens), 1), threadgroup=(THREADS, 1, 1),
             output_shapes=shapes, output_dtypes=dtypes,
         )
         return drafts, new_k, new_v

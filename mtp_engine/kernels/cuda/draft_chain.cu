@@ -1,26 +1,48 @@
-// A whole chain of MTP drafts in one launch of one thread block
-// (mtp_engine/kernels/cuda_chain.py). The body of an mx.fast.cuda_kernel: MLX wraps it
+// A whole chain of MTP drafts per row of a batch in one launch: one thread
+// block a row (mtp_engine/kernels/cuda_chain.py). The body of an mx.fast.cuda_kernel: MLX wraps it
 // in a kernel whose arguments are the inputs and outputs named in cuda_chain.py.
   // Template constants: W (weights), HT (hidden), CT (KV cache) dtypes; DIM,
   // H, KVH, HD, RD (rotated dims), V (vocabulary), E, TOPK, ED (expert
   // width), SD (shared expert width), NORM_TOPK, MAXM (pending pairs at
-  // most), MAXK (drafts at most). The draft count is read at run time, so
-  // one compiled kernel serves every chain depth (the last steps of a
-  // generation draft fewer than K).
+  // most), MAXK (drafts at most). The draft count, the rows and their pairs
+  // are read at run time, so one compiled kernel serves every chain depth
+  // (the last steps of a generation draft fewer than K) and batch.
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
-  const int offset = meta[0];  // head cache entries before this call
-  const int m = meta[1];       // pending pairs
-  const int cap = meta[2];     // positions allocated in k_cache / v_cache
-  const int pmax = meta[3];    // positions a score row holds (offset + m + drafts)
-  const int K = meta[4];       // drafts, 1..MAXK
+  const int row = blockIdx.y;   // this block's row of the batch
+  const int offset = meta[0];   // head cache entries before this call (every row's; some may be holes)
+  const int P = meta[1];        // pending pairs a row holds at most: the width of hidden, tokens, new_k, new_v
+  const int cap = meta[2];      // positions allocated in k_cache / v_cache
+  const int pmax = meta[3];     // positions a score row holds (offset + P + drafts)
+  const int K = meta[4];        // drafts, 1..MAXK
+  const int vcap = meta[5];     // entries a row of `valid` holds; 0: no cache entry is a hole
+  const int wrow = meta[6];     // scratch floats a row
+  const int m = rows_meta[2 * row];          // this row's pending pairs, 1..P
+  const int rope0 = rows_meta[2 * row + 1];  // RoPE position of its first pending pair
   const float eps = fparams[0], rope_scale = fparams[1], attn_scale = fparams[2];
   constexpr int QO = H * HD;
   constexpr int KVO = KVH * HD;
   constexpr int GROUP = H / KVH;
   constexpr int PARTS = 32;
+  // This row's slices of the inputs and outputs.
+  const HT* hid = hidden + static_cast<size_t>(row) * P * DIM;
+  const int* toks = tokens + row * P;
+  const CT* kc = k_cache + static_cast<size_t>(row) * KVH * cap * HD;
+  const CT* vc = v_cache + static_cast<size_t>(row) * KVH * cap * HD;
+  const bool* ok = valid + static_cast<size_t>(row) * vcap;
+  int* out = drafts + row * K;
+  CT* nk = new_k + static_cast<size_t>(row) * KVH * P * HD;
+  CT* nv = new_v + static_cast<size_t>(row) * KVH * P * HD;
+  float* ws = work + static_cast<size_t>(row) * wrow;
 
-  float* both = work;                      // MAXM x 2 DIM: normed [embedding, hidden]
+  // The padding past this row's pairs: zeros (holes the caller's cache keeps, read as finite values).
+  for (int i = tid; i < KVH * (P - m) * HD; i += blockDim.x) {
+    const int h = i / ((P - m) * HD), r = m + i / HD % (P - m), d = i % HD;
+    nk[(h * P + r) * HD + d] = static_cast<CT>(0.0f);
+    nv[(h * P + r) * HD + d] = static_cast<CT>(0.0f);
+  }
+
+  float* both = ws;                        // MAXM x 2 DIM: normed [embedding, hidden]
   float* xs = both + MAXM * 2 * DIM;       // MAXM x DIM: fc output, then the residual stream
   float* as = xs + MAXM * DIM;             // MAXM x DIM: input-normed
   float* kv = as + MAXM * DIM;             // MAXM x 2 KVO: raw keys, values
@@ -53,20 +75,20 @@
   for (int step = 0; step < K; ++step) {
     const int rows = step == 0 ? m : 1;
     const int first_new = step == 0 ? 0 : m + step - 1;  // index in knew of row 0
-    const int pos0 = offset + first_new;                  // its position
+    const int pos0 = rope0 + first_new;                   // its RoPE position
     const int last = rows - 1;
     const int plast = pos0 + last;
-    const int npos = plast + 1;                           // visible positions
+    const int npos = offset + first_new + rows;           // entries the last row sees (cache, then new)
 
     // Normed embeddings and hiddens of the rows.
     for (int t = warp; t < 2 * rows; t += warps) {
       const int r = t >> 1;
       float* dst = both + r * 2 * DIM + (t & 1) * DIM;
       if ((t & 1) == 0) {
-        const int token = step == 0 ? tokens[r] : tok_sh;
+        const int token = step == 0 ? toks[r] : tok_sh;
         mtp_rms_row(embed + static_cast<size_t>(token) * DIM, norm_e, DIM, eps, dst, lane);
       } else if (step == 0) {
-        mtp_rms_row(hidden + static_cast<size_t>(r) * DIM, norm_h, DIM, eps, dst, lane);
+        mtp_rms_row(hid + static_cast<size_t>(r) * DIM, norm_h, DIM, eps, dst, lane);
       } else {
         mtp_rms_row(mb, norm_h, DIM, eps, dst, lane);
       }
@@ -93,8 +115,8 @@
         for (int d = lane; d < HD; d += 32) vd[d] = kv[r * 2 * KVO + KVO + h * HD + d];
         if (step == 0) {
           for (int d = lane; d < HD; d += 32) {
-            new_k[(h * m + r) * HD + d] = static_cast<CT>(kd[d]);
-            new_v[(h * m + r) * HD + d] = static_cast<CT>(vd[d]);
+            nk[(h * P + r) * HD + d] = static_cast<CT>(kd[d]);
+            nv[(h * P + r) * HD + d] = static_cast<CT>(vd[d]);
           }
         }
       } else {
@@ -105,19 +127,19 @@
     }
     __syncthreads();
 
-    // Attention of the last row over positions 0..plast: scores, softmax, sums.
+    // Attention of the last row over its cache entries (not its holes) and the new ones: scores, softmax, sums.
     for (int it = tid; it < H * npos; it += blockDim.x) {
       const int h = it / npos, p = it % npos, kvh = h / GROUP;
       const float* q = qs + h * HD;
       float s = 0.0f;
       if (p < offset) {
-        const CT* kp = k_cache + (static_cast<size_t>(kvh) * cap + p) * HD;
+        const CT* kp = kc + (static_cast<size_t>(kvh) * cap + p) * HD;
         for (int d = 0; d < HD; ++d) s += q[d] * static_cast<float>(kp[d]);
       } else {
         const float* kp = knew + ((p - offset) * KVH + kvh) * HD;
         for (int d = 0; d < HD; ++d) s += q[d] * kp[d];
       }
-      scores[h * pmax + p] = s * attn_scale;
+      scores[h * pmax + p] = p < offset && vcap && !ok[p] ? MTP_NEG_MAX : s * attn_scale;
     }
     __syncthreads();
     for (int h = warp; h < H; h += warps) {
@@ -142,7 +164,7 @@
       const float* prob = scores + h * pmax;
       float s = 0.0f;
       for (int p = g; p < npos; p += groups) {
-        const float v = p < offset ? static_cast<float>(v_cache[(static_cast<size_t>(kvh) * cap + p) * HD + d])
+        const float v = p < offset ? static_cast<float>(vc[(static_cast<size_t>(kvh) * cap + p) * HD + d])
                                    : vnew[((p - offset) * KVH + kvh) * HD + d];
         s += prob[p] * v;
       }
@@ -247,7 +269,7 @@
       mtp_warp_argmax(bv, bi);
       if (lane == 0) {
         tok_sh = bi;
-        drafts[step] = bi;
+        out[step] = bi;
       }
     }
     __syncthreads();

@@ -10,13 +10,19 @@ the same checks run on the GPU, and on the shipped model in bfloat16.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 
 from mtp_engine import MTPEngine
 from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.drafters import cuda_chain as chain_drafter
+from mtp_engine.decoder import Decoder
 from mtp_engine.drafters.cuda_chain import build_chain_kernel
+from mtp_engine.drafters.head import HeadDrafter
+from mtp_engine.modes import DecodeConfig
+from mtp_engine.sampling import GREEDY
 from mtp_engine.model.head_weights import UnsupportedHead
 from mtp_engine.io.tiny import tiny_config
 from mtp_engine.kernels import cuda_chain
@@ -51,15 +57,43 @@ class EmulatedKernel(cuda_chain.ChainKernel):
 
     threads = 64
 
-    def __call__(self, hidden, tokens, keys, values, offset, k):
-        self.last = simt.run(cuda_chain.header(), cuda_chain.source(), cuda_chain.INPUT_NAMES,
-                             *self._launch(hidden, tokens, keys, values, offset, k), threads=self.threads)
+    launches = 0
+
+    def __call__(self, hidden, tokens, counts, positions, keys, values, valid, offset, k):
+        inputs, template, shapes, dtypes = self.arguments(hidden, tokens, counts, positions, keys, values, valid,
+                                                          offset, k)
+        self.last = simt.run(cuda_chain.header(), cuda_chain.source(), cuda_chain.INPUT_NAMES, inputs,
+                             cuda_chain.OUTPUT_NAMES, template, shapes, dtypes,
+                             grid=(self.threads, len(tokens), 1), threadgroup=(self.threads, 1, 1))
+        self.launches += 1
         drafts, new_k, new_v, _ = self.last
         return drafts, new_k, new_v
 
-    def _launch(self, hidden, tokens, keys, values, offset, k):
-        inputs, template, shapes, dtypes = self.arguments(hidden, tokens, keys, values, offset, k)
-        return inputs, cuda_chain.OUTPUT_NAMES, template, shapes, dtypes
+
+class GpuKernel(cuda_chain.ChainKernel):
+    """The kernel on the GPU, its scratch kept (the last step's logits) and
+    its launches counted, as `EmulatedKernel` does."""
+
+    launches = 0
+
+    def __call__(self, *args):
+        inputs, template, shapes, dtypes = self.arguments(*args)
+        self.last = cuda_chain._kernel()(inputs=inputs, template=template, grid=(cuda_chain.THREADS, len(args[1]), 1),
+                                         threadgroup=(cuda_chain.THREADS, 1, 1), output_shapes=shapes,
+                                         output_dtypes=dtypes)
+        self.launches += 1
+        return self.last[:3]
+
+
+KINDS = [pytest.param(EmulatedKernel, id="emulated", marks=needs_compiler),
+         pytest.param(GpuKernel, id="gpu", marks=pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend"))]
+
+
+def one_row(kernel, hidden, tokens, keys, values, offset, k):
+    """The kernel over one row with ``offset`` cache entries, none a hole:
+    its drafts ``[k]`` and the pairs' keys and values ``[kv_heads, m, head_dim]``."""
+    drafts, new_k, new_v = kernel(hidden[None], [tokens], [len(tokens)], [offset], keys, values, None, offset, k)
+    return drafts[0], new_k[0], new_v[0]
 
 
 def make_kernel(engine, cls=None):
@@ -114,7 +148,7 @@ def test_emulated_kernel_drafts_what_the_mlx_head_drafts(engines, name, pending,
     assert len(ids) > pending + 1
     hidden, tokens, (keys, values, offset), (want_k, want_v), want, want_logits = reference_chain(
         engine, ids, pending, k)
-    drafts, new_k, new_v = kernel(hidden, tokens, keys, values, offset, k)
+    drafts, new_k, new_v = one_row(kernel, hidden, tokens, keys, values, offset, k)
     assert drafts.tolist() == want
     assert new_k.shape == want_k.shape and new_k.dtype == want_k.dtype
     assert mx.allclose(new_k, want_k, atol=TOL, rtol=TOL).item()
@@ -131,7 +165,7 @@ def test_emulated_kernel_from_an_empty_cache(engines):
     ids = engine.encode("x = 1")
     hidden, tokens, before, rows, want, _ = reference_chain(engine, ids, len(ids), 3)
     assert before == (None, None, 0) and len(tokens) <= cuda_chain.MAX_PENDING
-    drafts, new_k, _ = kernel(hidden, tokens, None, None, 0, 3)
+    drafts, new_k, _ = one_row(kernel, hidden, tokens, None, None, 0, 3)
     assert drafts.tolist() == want
     assert mx.allclose(new_k, rows[0], atol=TOL, rtol=TOL).item()
 
@@ -145,7 +179,7 @@ def test_decoding_with_the_emulated_kernel_equals_plain_decoding(engines):
     own = engine.drafters.kernel  # the engine's GPU kernel on CUDA, else None
     engine.drafters.kernel = make_kernel(engine, EmulatedKernel)
     try:
-        for prompt in (PROMPTS[0], PROMPTS[3]):
+        for prompt in (PROMPTS[3],):  # a batch of one (rows join and leave batches below)
             plain = engine.generate(prompt, max_tokens=12, mode="baseline")
             mlx_run = engine.generate(prompt, max_tokens=12, mode="chain", draft_tokens=3, drafter="mlx")
             kernel_run = engine.generate(prompt, max_tokens=12, mode="chain", draft_tokens=3, drafter="cuda")
@@ -153,6 +187,91 @@ def test_decoding_with_the_emulated_kernel_equals_plain_decoding(engines):
             assert kernel_run.stats.histogram == mlx_run.stats.histogram
     finally:
         engine.drafters.kernel = own
+
+
+def _join(engine, drafter, slot, ids):
+    """A prompt's row joins the drafter (in place of row ``slot``, or at the end)."""
+    hidden = engine.model.model(mx.array(ids)[None], cache=make_main_cache(engine.model))
+    drafter.add_row(slot, hidden, ids[1:] + [5])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_drafts_every_rows_chain_over_its_own_entries(engines, kind):
+    """Rows joined at different lengths (one in the place of a row that left)
+    and kept different counts of pairs, so the head's cache has holes and
+    each row its own RoPE positions. One launch drafts every row's chain:
+    what the MLX head drafts from the same state, leaving the same cache."""
+    engine = engines["default"]
+    kernel = make_kernel(engine, kind)
+    ours = chain_drafter.CudaChainDrafter(*engine.drafters.head_args, kernel=kernel)
+    theirs = HeadDrafter(*engine.drafters.head_args)  # the eager MLX head
+    probe = HeadDrafter(*engine.drafters.head_args)  # the same again, for its last draft's logits
+    decode, k, dim = DecodeConfig(mode="chain", draft_tokens=3), 3, kernel.config["dim"]
+    prompts = [engine.encode(p) for p in (PROMPTS[0], PROMPTS[3] + " " + PROMPTS[4], "x = 1", PROMPTS[6])]
+    for drafter in (ours, theirs, probe):
+        for ids in prompts[:3]:
+            _join(engine, drafter, None, ids)
+    keeps = [[1, 4, 2], [3, 1, 4], [2, 2, 1], [1, 3, 3]]  # each row's emitted tokens at each step
+    for step, keep in enumerate(keeps):
+        if step == 2:  # row 1 left; a shorter prompt takes its place
+            for drafter in (ours, theirs, probe):
+                _join(engine, drafter, 1, prompts[3])
+        if step >= 2:
+            assert ours.cache[0].holes
+        launches = kernel.launches
+        got = ours.propose(decode, k, [GREEDY] * 3, [0] * 3, [k] * 3)
+        want = theirs.propose(decode, k, [GREEDY] * 3, [0] * 3, [k] * 3)
+        assert kernel.launches == launches + 1  # the kernel drafted, not the MLX head
+        assert got.tokens.tolist() == want.tokens.tolist(), step
+        m = probe._consume()  # the MLX head's chain over the same drafts, step by step
+        for j in range(k - 1):
+            m = probe._forward(m, want.tokens[:, j : j + 1], probe.cache)
+        rows = kernel.last[3].reshape(3, -1)
+        start = cuda_chain.work_offsets(kernel.config)["logits"]
+        assert mx.allclose(rows[:, start : start + kernel.config["vocab"]], engine.lm_head(m)[:, 0],
+                           atol=TOL, rtol=TOL).item(), step
+        hidden = mx.random.normal((3, k + 1, dim), key=mx.random.key(step))
+        emitted = [[(7 * step + 3 * r + j) % 300 + 5 for j in range(n)] for r, n in enumerate(keep)]
+        for drafter in (ours, theirs, probe):
+            drafter.commit(hidden, emitted, [0, 1, 2])
+        a, b = ours.cache[0], theirs.cache[0]
+        assert (a.idx, a.positions, a.holes) == (b.idx, b.positions, b.holes)
+        assert mx.array_equal(a.valid[:, : a.idx], b.valid[:, : b.idx]).item()
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            mask = a.valid[:, None, : a.idx, None]
+            assert mx.allclose(mx.where(mask, x[..., : a.idx, :], 0), mx.where(mask, y[..., : b.idx, :], 0),
+                               atol=TOL, rtol=TOL).item()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_decoding_with_the_kernel_equals_plain_decoding(engines, kind):
+    """Rows join and leave a batch; every speculative step's drafts come from
+    one launch. Each row equals plain decoding of its prompt alone, with the
+    MLX drafter's acceptance."""
+    engine = engines["default"]
+    kernel = make_kernel(engine, kind)
+    calls = []
+
+    class Counting(chain_drafter.CudaChainDrafter):
+        def propose(self, *args):
+            calls.append(kernel.launches)
+            return super().propose(*args)
+    prompts = [PROMPTS[i] for i in (0, 3, 5, 7, 9)]
+    budgets = [9, 5, 8, 3, 9]
+    plain = [engine.generate(p, max_tokens=n, mode="baseline").tokens for p, n in zip(prompts, budgets)]
+    decode = DecodeConfig(mode="chain", draft_tokens=3, batch_size=3)
+    runs = {}
+    for name, drafter in (("mlx", None), ("kernel", Counting(*engine.drafters.head_args, kernel=kernel))):
+        decoder = Decoder(engine, replace(decode, drafter="mlx"), drafter=drafter)
+        for i, (p, n) in enumerate(zip(prompts, budgets)):
+            decoder.add(i, p, [GREEDY], max_tokens=n)
+        results = {}
+        while decoder.pending:
+            results.update({key: r for (key, _), r in decoder.step()})
+        runs[name] = [results[i] for i in range(len(prompts))]
+    assert [r.tokens for r in runs["kernel"]] == plain
+    assert [r.stats.histogram for r in runs["kernel"]] == [r.stats.histogram for r in runs["mlx"]]
+    assert calls and kernel.launches == calls[-1] + 1 == len(calls)  # each step launched once
 
 
 def test_heads_the_kernel_cannot_serve(checkpoint_factory, engines):
@@ -178,7 +297,7 @@ def test_gpu_kernel_drafts_what_the_mlx_head_drafts(engines, pending, k):
     kernel = make_kernel(engine)
     ids = engine.encode(PROMPTS[0] + " " + PROMPTS[2] + " " + PROMPTS[4] + " " + PROMPTS[9])
     hidden, tokens, (keys, values, offset), (want_k, want_v), want, _ = reference_chain(engine, ids, pending, k)
-    drafts, new_k, new_v = kernel(hidden, tokens, keys, values, offset, k)
+    drafts, new_k, new_v = one_row(kernel, hidden, tokens, keys, values, offset, k)
     assert drafts.tolist() == want
     assert mx.allclose(new_k, want_k, atol=1e-3, rtol=1e-3).item()
     assert mx.allclose(new_v, want_v, atol=1e-3, rtol=1e-3).item()
@@ -202,13 +321,15 @@ def test_one_compiled_kernel_serves_every_depth_and_width(engines):
     the tail of every generation, where the depth shrinks."""
     engine = engines["default"]
     kernel = make_kernel(engine, EmulatedKernel)
-    hidden = mx.zeros((16, kernel.config["dim"]))
-    templates = {
-        str(kernel.arguments(hidden[:m], [1] * m, None, None, offset, k)[1])
-        for m, offset, k in ((1, 0, 1), (16, 40, 32), (3, 7, 5))
-    }
-    assert len(templates) == 1
+    hidden = mx.zeros((3, 17, kernel.config["dim"]))
+
+    def template(rows, m, offset, k):
+        return str(kernel.arguments(hidden[:rows, :m], [[1] * m] * rows, [m] * rows, [offset] * rows, None, None,
+                                    None, offset, k)[1])
+    assert len({template(*shape) for shape in ((1, 1, 0, 1), (3, 16, 40, 32), (2, 3, 7, 5))}) == 1
     with pytest.raises(ValueError, match="1..32 drafts"):
-        kernel.arguments(hidden[:1], [1], None, None, 0, 33)
+        template(1, 1, 0, 33)
     with pytest.raises(ValueError, match="1..16 pairs"):
-        kernel.arguments(hidden, [1] * 17, None, None, 0, 2)
+        template(1, 17, 0, 2)
+    with pytest.raises(ValueError, match=r"each row needs 1..2 pairs"):
+        kernel.arguments(hidden[:2, :2], [[1, 1], [1, 1]], [2, 0], [0, 0], None, None, None, 0, 1)

@@ -22,8 +22,12 @@ import numpy as np
 
 HERE = Path(__file__).parent
 _BUILD = Path(tempfile.gettempdir()) / "mtp-simt"
-_TYPES = {mx.float32: "float", mx.int32: "int32_t", mx.uint32: "uint32_t", mx.bfloat16: "__nv_bfloat16"}
-_NUMPY = {mx.float32: np.float32, mx.int32: np.int32, mx.uint32: np.uint32, mx.bfloat16: np.uint16}
+_TYPES = {mx.float32: "float", mx.int32: "int32_t", mx.uint32: "uint32_t", mx.bfloat16: "__nv_bfloat16",
+          mx.bool_: "bool"}
+_NUMPY = {mx.float32: np.float32, mx.int32: np.int32, mx.uint32: np.uint32, mx.bfloat16: np.uint16,
+          mx.bool_: np.bool_}
+_GARBAGE = {mx.float32: np.nan, mx.int32: -1, mx.uint32: 0xFFFFFFFF, mx.bfloat16: 0x7FC0, mx.bool_: True}
+"""What an output holds before the kernel writes it (a GPU's outputs start uninitialized): NaN, or -1."""
 
 
 def compiler() -> str | None:
@@ -98,7 +102,7 @@ def run(header, body, names, inputs, out_names, template, shapes, dtypes, thread
         )
         tmp.rename(lib)
     fn = ctypes.CDLL(str(lib)).launch
-    outputs = [np.zeros(s, dtype=_NUMPY[d]) for s, d in zip(shapes, dtypes)]
+    outputs = [np.full(s, _GARBAGE[d], dtype=_NUMPY[d]) for s, d in zip(shapes, dtypes)]
     by_name = {n: _numpy(a) for n, a in zip(names, inputs)}
     by_name |= {f"{n}_shape": np.array(a.shape, dtype=np.int32) for n, a in zip(names, inputs)}
     by_name |= dict(zip(out_names, outputs))
