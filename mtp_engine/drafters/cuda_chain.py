@@ -9,7 +9,7 @@ import mlx.nn as nn
 from mtp_engine.drafters.base import Proposal
 from mtp_engine.drafters.head import HeadDrafter
 from mtp_engine.model.head_weights import FLOATS, UnsupportedHead, head_weights
-from mtp_engine.kernels.cuda_chain import MAX_DRAFTS, MAX_PENDING, MAX_STEP_BYTES, WEIGHT_ORDER
+from mtp_engine.kernels.cuda_chain import MAX_DRAFTS, MAX_STEP_BYTES, WEIGHT_ORDER
 from mtp_engine.kernels.cuda_chain import ChainKernel, availability
 from mtp_engine.model.mtp_head import MTPHead
 from mtp_engine.modes import CHAINS
@@ -64,8 +64,7 @@ def build_chain_kernel(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> t
 
 class CudaChainDrafter(HeadDrafter):
     """`HeadDrafter` whose greedy chains, every row's, run as one `ChainKernel`
-    launch. Other modes, sampling and pending pairs wider than the kernel
-    takes (a long run of plain steps) draft with the MLX head (the head's
+    launch. Other modes and sampling draft with the MLX head (the head's
     cache and pending pairs are the MLX drafter's, so the two take turns on
     one state)."""
 
@@ -77,10 +76,9 @@ class CudaChainDrafter(HeadDrafter):
     def propose(self, decode, k: int, params, starts, caps) -> Proposal:
         """K greedy drafts of every row, ``[rows, k]`` int32, from one kernel
         launch (its evaluation starts at once; not read back)."""
-        hidden, tokens, counts = self._gather_pending()
-        if (decode.mode not in CHAINS or not all(p.greedy for p in params) or not 1 <= k <= MAX_DRAFTS
-                or hidden.shape[1] > MAX_PENDING):
+        if decode.mode not in CHAINS or not all(p.greedy for p in params) or not 1 <= k <= MAX_DRAFTS:
             return super().propose(decode, k, params, starts, caps)
+        hidden, tokens, counts = self._gather_pending()
         c, width = self.cache[0], hidden.shape[1]
         drafts, new_k, new_v = self.kernel(hidden, [t + [0] * (width - len(t)) for t in tokens], counts,
                                            c.positions, c.keys, c.values, c.valid if c.holes else None, c.idx, k)

@@ -56,9 +56,10 @@ from mtp_engine.kernels.cuda_build import CudaKernel
 
 SOURCES = Path(__file__).parent / "cuda"
 
-MAX_PENDING = 16
-"""Pending pairs the kernel consumes at most; a prompt's head prefill (more
-pairs) runs through the MLX head first, all but its last pair."""
+PAIRS_AT_ONCE = 16
+"""Pending pairs a block feeds through the head at once (its scratch holds
+that many rows); a row with more (a long run of plain steps under mode
+"auto") feeds them in chunks of this many."""
 
 MAX_DRAFTS = 32
 """Deepest chain the kernel drafts in one launch."""
@@ -96,18 +97,19 @@ WEIGHT_ARGS = (
 INPUT_NAMES = ("hidden", "tokens", "meta", "rows_meta", "fparams", "inv_freq", "k_cache", "v_cache", "valid") + WEIGHT_ARGS
 OUTPUT_NAMES = ("drafts", "new_k", "new_v", "work")
 
-def work_offsets(config: dict) -> dict[str, int]:
-    """Where each scratch buffer of the kernel starts, in floats (the layout
-    at the top of ``cuda/draft_chain.cu``); ``"scores"`` is last and holds ``heads x pmax``."""
+def work_offsets(config: dict, width: int = 1) -> dict[str, int]:
+    """Where each scratch buffer of a row's block starts, in floats, for
+    pending pairs ``width`` wide (the layout at the top of
+    ``cuda/draft_chain.cu``); ``"scores"`` is last and holds ``heads x pmax``."""
     dim, qo = config["dim"], config["heads"] * config["head_dim"]
     kvo = config["kv_heads"] * config["head_dim"]
     ed, sd, topk = config["expert_dim"], config["shared_dim"], config["top_k"]
     sizes = [
-        ("both", MAX_PENDING * 2 * dim), ("xs", MAX_PENDING * dim), ("as", MAX_PENDING * dim),
-        ("kv", MAX_PENDING * 2 * kvo), ("qg", 2 * qo), ("qs", qo), ("att", qo), ("a2", dim),
+        ("both", PAIRS_AT_ONCE * 2 * dim), ("xs", PAIRS_AT_ONCE * dim), ("as", PAIRS_AT_ONCE * dim),
+        ("kv", PAIRS_AT_ONCE * 2 * kvo), ("qg", 2 * qo), ("qs", qo), ("att", qo), ("a2", dim),
         ("rt", config["experts"]), ("sgate", 4), ("sg", sd), ("su", sd), ("ys", dim),
         ("eg", topk * ed), ("eu", topk * ed), ("ye", topk * dim), ("mb", dim), ("logits", config["vocab"]),
-        ("knew", (MAX_PENDING + MAX_DRAFTS) * kvo), ("vnew", (MAX_PENDING + MAX_DRAFTS) * kvo), ("part", 32 * qo),
+        ("part", 32 * qo), ("knew", (width + MAX_DRAFTS) * kvo), ("vnew", (width + MAX_DRAFTS) * kvo),
         ("scores", 0),
     ]
     offsets, at = {}, 0
@@ -150,7 +152,6 @@ class ChainKernel:
         self.weights = weights
         self.config = config
         self.dtype = weights[0].dtype
-        self.fixed_work = work_offsets(config)["scores"]  # scratch floats ahead of the score rows
         c = config
         half = c["rope_dims"] // 2
         self.inv_freq = mx.array(
@@ -166,7 +167,7 @@ class ChainKernel:
             ("DIM", c["dim"]), ("H", c["heads"]), ("KVH", c["kv_heads"]), ("HD", c["head_dim"]),
             ("RD", c["rope_dims"]), ("V", c["vocab"]), ("E", c["experts"]), ("TOPK", c["top_k"]),
             ("ED", c["expert_dim"]), ("SD", c["shared_dim"]), ("NORM_TOPK", bool(c["norm_topk"])),
-            ("MAXM", MAX_PENDING), ("MAXK", MAX_DRAFTS),
+            ("MAXM", PAIRS_AT_ONCE), ("MAXK", MAX_DRAFTS),
         ]
 
     def arguments(self, hidden: mx.array, tokens: list[list[int]], counts: list[int], positions: list[int],
@@ -178,13 +179,12 @@ class ChainKernel:
         cache_dtype = keys.dtype if keys is not None else self.dtype
         if keys is None:
             keys = values = mx.zeros((rows, c["kv_heads"], 1, c["head_dim"]), dtype=cache_dtype)
-        if not 1 <= width <= MAX_PENDING or not 1 <= k <= MAX_DRAFTS:
-            raise ValueError(f"the chain kernel takes 1..{MAX_PENDING} pairs and 1..{MAX_DRAFTS} drafts, "
-                             f"got {width} and {k}")
+        if not 1 <= k <= MAX_DRAFTS:
+            raise ValueError(f"the chain kernel drafts 1..{MAX_DRAFTS} tokens, got {k}")
         if not all(1 <= n <= width for n in counts) or {len(t) for t in tokens} != {width}:
             raise ValueError(f"each row needs 1..{width} pairs and {width} tokens, got {counts}")
         pmax = offset + width + k
-        work = self.fixed_work + c["heads"] * pmax
+        work = work_offsets(c, width)["scores"] + c["heads"] * pmax
         vcap = 0 if valid is None else valid.shape[1]
         meta = mx.array([offset, width, keys.shape[2], pmax, k, vcap, work], dtype=mx.int32)
         rows_meta = mx.array([[n, p] for n, p in zip(counts, positions)], dtype=mx.int32)
@@ -198,8 +198,8 @@ class ChainKernel:
 
     def __call__(self, hidden: mx.array, tokens: list[list[int]], counts: list[int], positions: list[int],
                  keys, values, valid, offset: int, k: int):
-        """Launch every row's chain. Row ``r`` has ``counts[r]`` pending pairs
-        (at most `MAX_PENDING`): ``hidden[r]`` and ``tokens[r]``, right-padded
+        """Launch every row's chain. Row ``r`` has ``counts[r]`` pending pairs,
+        ``hidden[r]`` and ``tokens[r]`` right-padded
         to the width of ``hidden`` ``[rows, width, dim]``, at RoPE positions
         ``positions[r]..``, after a KV cache (``keys``/``values`` ``[rows,
         kv_heads, cap, head_dim]`` holding ``offset`` entries, or None when

@@ -3,8 +3,8 @@
 // in a kernel whose arguments are the inputs and outputs named in cuda_chain.py.
   // Template constants: W (weights), HT (hidden), CT (KV cache) dtypes; DIM,
   // H, KVH, HD, RD (rotated dims), V (vocabulary), E, TOPK, ED (expert
-  // width), SD (shared expert width), NORM_TOPK, MAXM (pending pairs at
-  // most), MAXK (drafts at most). The draft count, the rows and their pairs
+  // width), SD (shared expert width), NORM_TOPK, MAXM (pending pairs fed
+  // at once), MAXK (drafts at most). The draft count, the rows and their pairs
   // are read at run time, so one compiled kernel serves every chain depth
   // (the last steps of a generation draft fewer than K) and batch.
   const int tid = threadIdx.x;
@@ -60,10 +60,10 @@
   float* ye = eu + TOPK * ED;              // TOPK x DIM: experts' outputs
   float* mb = ye + TOPK * DIM;             // DIM: the head's normed hidden M
   float* logits = mb + DIM;                // V
-  float* knew = logits + V;                // (MAXM + MAXK) x KVO: keys of the new positions
-  float* vnew = knew + (MAXM + MAXK) * KVO;  // (MAXM + MAXK) x KVO: their values
-  float* part = vnew + (MAXM + MAXK) * KVO;  // PARTS x QO: partial attention sums
-  float* scores = part + PARTS * QO;       // H x pmax
+  float* part = logits + V;                // PARTS x QO: partial attention sums
+  float* knew = part + PARTS * QO;         // (P + MAXK) x KVO: keys of the new positions
+  float* vnew = knew + (P + MAXK) * KVO;   // (P + MAXK) x KVO: their values
+  float* scores = vnew + (P + MAXK) * KVO;  // H x pmax
 
   __shared__ int tok_sh;
   __shared__ int sel_e[TOPK];
@@ -73,59 +73,65 @@
   __shared__ int red_i[32];
 
   for (int step = 0; step < K; ++step) {
-    const int rows = step == 0 ? m : 1;
-    const int first_new = step == 0 ? 0 : m + step - 1;  // index in knew of row 0
-    const int pos0 = rope0 + first_new;                   // its RoPE position
-    const int last = rows - 1;
-    const int plast = pos0 + last;
-    const int npos = offset + first_new + rows;           // entries the last row sees (cache, then new)
-
-    // Normed embeddings and hiddens of the rows.
-    for (int t = warp; t < 2 * rows; t += warps) {
-      const int r = t >> 1;
-      float* dst = both + r * 2 * DIM + (t & 1) * DIM;
-      if ((t & 1) == 0) {
-        const int token = step == 0 ? toks[r] : tok_sh;
-        mtp_rms_row(embed + static_cast<size_t>(token) * DIM, norm_e, DIM, eps, dst, lane);
-      } else if (step == 0) {
-        mtp_rms_row(hid + static_cast<size_t>(r) * DIM, norm_h, DIM, eps, dst, lane);
-      } else {
-        mtp_rms_row(mb, norm_h, DIM, eps, dst, lane);
+    // Step 0 feeds the row's pending pairs, MAXM at a time; a later step its last draft.
+    int rows = 1, first_new = m + step - 1;  // the chunk's rows and the index in knew of its first
+    for (int chunk = 0; chunk < (step == 0 ? (m + MAXM - 1) / MAXM : 1); ++chunk) {
+      if (step == 0) {
+        first_new = chunk * MAXM;
+        rows = min(MAXM, m - first_new);
       }
-    }
-    __syncthreads();
-    mtp_matvec_rows<W, 2 * DIM>(fc, DIM, both, 2 * DIM, rows, xs, DIM);
-    __syncthreads();
-    for (int r = warp; r < rows; r += warps) mtp_rms_row(xs + r * DIM, in_norm, DIM, eps, as + r * DIM, lane);
-    __syncthreads();
-    mtp_matvec_rows<W, DIM>(k_w, KVO, as, DIM, rows, kv, 2 * KVO);
-    mtp_matvec_rows<W, DIM>(v_w, KVO, as, DIM, rows, kv + KVO, 2 * KVO);
-    mtp_matvec<W, DIM>(q_w, 2 * QO, as + last * DIM, qg, nullptr);
-    __syncthreads();
+      const int pos0 = rope0 + first_new;  // RoPE position of the chunk's first row
+      const int last = rows - 1;
 
-    // Keys (normed, rotated) and values of every row; the last row's queries.
-    for (int t = warp; t < rows * KVH + H; t += warps) {
-      if (t < rows * KVH) {
-        const int r = t / KVH, h = t % KVH;
-        const int ni = first_new + r;
-        float* kd = knew + (ni * KVH + h) * HD;
-        float* vd = vnew + (ni * KVH + h) * HD;
-        mtp_norm_rope<HD, RD>(kv + r * 2 * KVO + h * HD, k_norm, kd, static_cast<float>(pos0 + r) * rope_scale,
-                              inv_freq, eps, lane);
-        for (int d = lane; d < HD; d += 32) vd[d] = kv[r * 2 * KVO + KVO + h * HD + d];
-        if (step == 0) {
-          for (int d = lane; d < HD; d += 32) {
-            nk[(h * P + r) * HD + d] = static_cast<CT>(kd[d]);
-            nv[(h * P + r) * HD + d] = static_cast<CT>(vd[d]);
-          }
+      // Normed embeddings and hiddens of the rows.
+      for (int t = warp; t < 2 * rows; t += warps) {
+        const int r = t >> 1;
+        float* dst = both + r * 2 * DIM + (t & 1) * DIM;
+        if ((t & 1) == 0) {
+          const int token = step == 0 ? toks[first_new + r] : tok_sh;
+          mtp_rms_row(embed + static_cast<size_t>(token) * DIM, norm_e, DIM, eps, dst, lane);
+        } else if (step == 0) {
+          mtp_rms_row(hid + static_cast<size_t>(first_new + r) * DIM, norm_h, DIM, eps, dst, lane);
+        } else {
+          mtp_rms_row(mb, norm_h, DIM, eps, dst, lane);
         }
-      } else {
-        const int h = t - rows * KVH;
-        mtp_norm_rope<HD, RD>(qg + h * 2 * HD, q_norm, qs + h * HD, static_cast<float>(plast) * rope_scale,
-                              inv_freq, eps, lane);
       }
+      __syncthreads();
+      mtp_matvec_rows<W, 2 * DIM>(fc, DIM, both, 2 * DIM, rows, xs, DIM);
+      __syncthreads();
+      for (int r = warp; r < rows; r += warps) mtp_rms_row(xs + r * DIM, in_norm, DIM, eps, as + r * DIM, lane);
+      __syncthreads();
+      mtp_matvec_rows<W, DIM>(k_w, KVO, as, DIM, rows, kv, 2 * KVO);
+      mtp_matvec_rows<W, DIM>(v_w, KVO, as, DIM, rows, kv + KVO, 2 * KVO);
+      mtp_matvec<W, DIM>(q_w, 2 * QO, as + last * DIM, qg, nullptr);
+      __syncthreads();
+
+      // Keys (normed, rotated) and values of every row; the last row's queries (the last chunk's are kept).
+      for (int t = warp; t < rows * KVH + H; t += warps) {
+        if (t < rows * KVH) {
+          const int r = t / KVH, h = t % KVH;
+          const int ni = first_new + r;
+          float* kd = knew + (ni * KVH + h) * HD;
+          float* vd = vnew + (ni * KVH + h) * HD;
+          mtp_norm_rope<HD, RD>(kv + r * 2 * KVO + h * HD, k_norm, kd, static_cast<float>(pos0 + r) * rope_scale,
+                                inv_freq, eps, lane);
+          for (int d = lane; d < HD; d += 32) vd[d] = kv[r * 2 * KVO + KVO + h * HD + d];
+          if (step == 0) {
+            for (int d = lane; d < HD; d += 32) {
+              nk[(h * P + ni) * HD + d] = static_cast<CT>(kd[d]);
+              nv[(h * P + ni) * HD + d] = static_cast<CT>(vd[d]);
+            }
+          }
+        } else {
+          const int h = t - rows * KVH;
+          mtp_norm_rope<HD, RD>(qg + h * 2 * HD, q_norm, qs + h * HD, static_cast<float>(pos0 + last) * rope_scale,
+                                inv_freq, eps, lane);
+        }
+      }
+      __syncthreads();
     }
-    __syncthreads();
+    const int last = rows - 1;                  // the last row fed: the one whose next token this step drafts
+    const int npos = offset + first_new + rows;  // entries it sees (cache, then new)
 
     // Attention of the last row over its cache entries (not its holes) and the new ones: scores, softmax, sums.
     for (int it = tid; it < H * npos; it += blockDim.x) {

@@ -140,7 +140,7 @@ def logits_of(kernel, work):
 
 @needs_compiler
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("pending,k", [(1, 1), (1, 4), (5, 3), (16, 2)])
+@pytest.mark.parametrize("pending,k", [(1, 1), (1, 4), (5, 3), (16, 2), (37, 3)])  # 37: three chunks
 def test_emulated_kernel_drafts_what_the_mlx_head_drafts(engines, name, pending, k):
     engine = engines[name]
     kernel = make_kernel(engine, EmulatedKernel)
@@ -164,7 +164,7 @@ def test_emulated_kernel_from_an_empty_cache(engines):
     kernel = make_kernel(engine, EmulatedKernel)
     ids = engine.encode("x = 1")
     hidden, tokens, before, rows, want, _ = reference_chain(engine, ids, len(ids), 3)
-    assert before == (None, None, 0) and len(tokens) <= cuda_chain.MAX_PENDING
+    assert before == (None, None, 0) and len(tokens) <= cuda_chain.PAIRS_AT_ONCE
     drafts, new_k, _ = one_row(kernel, hidden, tokens, None, None, 0, 3)
     assert drafts.tolist() == want
     assert mx.allclose(new_k, rows[0], atol=TOL, rtol=TOL).item()
@@ -211,11 +211,16 @@ def test_kernel_drafts_every_rows_chain_over_its_own_entries(engines, kind):
     for drafter in (ours, theirs, probe):
         for ids in prompts[:3]:
             _join(engine, drafter, None, ids)
-    keeps = [[1, 4, 2], [3, 1, 4], [2, 2, 1], [1, 3, 3]]  # each row's emitted tokens at each step
+    keeps = [[1, 4, 2], [3, 1, 4], [2, 2, 1], [1, 3, 3], [2, 1, 4]]  # each row's emitted tokens at each step
     for step, keep in enumerate(keeps):
         if step == 2:  # row 1 left; a shorter prompt takes its place
             for drafter in (ours, theirs, probe):
                 _join(engine, drafter, 1, prompts[3])
+        if step == 4:  # 17 plain steps: more pending pairs than a block feeds at once
+            for j in range(17):
+                pair = mx.random.normal((3, 1, dim), key=mx.random.key(100 + j))
+                for drafter in (ours, theirs, probe):
+                    drafter.extend(pair, [[11 + j], [40 + j], [90 + j]])
         if step >= 2:
             assert ours.cache[0].holes
         launches = kernel.launches
@@ -291,7 +296,7 @@ def test_heads_the_kernel_cannot_serve(checkpoint_factory, engines):
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="needs MLX's CUDA backend")
-@pytest.mark.parametrize("pending,k", [(1, 4), (5, 3), (16, 8)])
+@pytest.mark.parametrize("pending,k", [(1, 4), (5, 3), (16, 8), (37, 3)])
 def test_gpu_kernel_drafts_what_the_mlx_head_drafts(engines, pending, k):
     engine = engines["default"]
     kernel = make_kernel(engine)
@@ -321,15 +326,13 @@ def test_one_compiled_kernel_serves_every_depth_and_width(engines):
     the tail of every generation, where the depth shrinks."""
     engine = engines["default"]
     kernel = make_kernel(engine, EmulatedKernel)
-    hidden = mx.zeros((3, 17, kernel.config["dim"]))
+    hidden = mx.zeros((3, 40, kernel.config["dim"]))
 
     def template(rows, m, offset, k):
         return str(kernel.arguments(hidden[:rows, :m], [[1] * m] * rows, [m] * rows, [offset] * rows, None, None,
                                     None, offset, k)[1])
-    assert len({template(*shape) for shape in ((1, 1, 0, 1), (3, 16, 40, 32), (2, 3, 7, 5))}) == 1
-    with pytest.raises(ValueError, match="1..32 drafts"):
+    assert len({template(*shape) for shape in ((1, 1, 0, 1), (3, 16, 40, 32), (2, 3, 7, 5), (1, 40, 9, 2))}) == 1
+    with pytest.raises(ValueError, match="1..32 tokens"):
         template(1, 1, 0, 33)
-    with pytest.raises(ValueError, match="1..16 pairs"):
-        template(1, 17, 0, 2)
     with pytest.raises(ValueError, match=r"each row needs 1..2 pairs"):
         kernel.arguments(hidden[:2, :2], [[1, 1], [1, 1]], [2, 0], [0, 0], None, None, None, 0, 1)
