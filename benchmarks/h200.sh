@@ -53,6 +53,9 @@
 # ~38 MB tree under a call's 64 MiB); the fourth call carries the small last part, the other wheels and .mlx-ptx.
 # Several suites back to back in a detached process, polled by later calls: benchmarks/gpu-queue.sh.
 set -u
+# A queue suite's VAR=VALUE holds no spaces (benchmarks/gpu-queue.sh): in MODES, TEMPS and EXTRA a "+" stands for one
+# (MODES=baseline+auto, EXTRA=--draft-tokens+5).
+for var in MODES TEMPS EXTRA; do if [ -n "${!var:-}" ]; then export "$var=${!var//+/ }"; fi; done
 if [ -f .mlx-ptx/ptx.tgz ] && [ ! -d /tmp/mlx ]; then tar xzf .mlx-ptx/ptx.tgz -C /tmp; fi
 out=${OUT:-benchmarks/results}
 mkdir -p "$out"
