@@ -54,9 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="Qwen3-Next or Qwen3.5 checkpoint with its MTP head: a folder, or a Hugging Face "
                    "Hub id (org/name) from the local Hub cache, downloaded where the network allows")
     g.add_argument("--output", help="output folder (created; resumed if it holds this job)")
-    g.add_argument("--mode", choices=MODES, help="decoding mode, --batch-size rows at once; 'baseline' (the "
-                   "default) is plain batching; 'auto' chooses each step's drafts, 0 (plain) to --draft-tokens, from "
-                   "the acceptance and step costs it measures; 'chain' always drafts --draft-tokens. Every mode "
+    g.add_argument("--mode", choices=MODES, help="decoding mode, --batch-size rows at once; 'auto' (the "
+                   "default) chooses each step's drafts, 0 (plain) to --draft-tokens, from the acceptance and step "
+                   "costs it measures; 'baseline' is plain batching; 'chain' always drafts --draft-tokens. Every mode "
                    "writes the same rows")
     g.add_argument("--max-tokens", type=int, help="tokens per completion unless a row sets max_tokens (default: 256)")
     g.add_argument("--stop", action="append", help="stop string (repeatable) unless a row sets stop")

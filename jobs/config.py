@@ -48,10 +48,10 @@ class JobConfig:
         model: Checkpoint folder.
         output: Output folder (created; resumed when it exists).
         mode: A decoding mode of the engine (`mtp_engine.modes.MODES`).
-            The default is plain batching ("baseline"), the fastest measured
-            for jobs of the shipped model (docs/BENCHMARKS.md, "Jobs end to
-            end"); "auto" chooses each step's drafts, 0..K, from the
-            acceptance and step costs it measures (`mtp_engine.controller`).
+            The default, "auto", chooses each step's drafts, 0..K, from the
+            acceptance and step costs it measures (`mtp_engine.controller`),
+            decoding plainly where drafts do not pay; "baseline" is plain
+            batching (docs/BENCHMARKS.md, "Jobs end to end").
         draft_tokens, paths, tau, tree_pos2, drafter: As `DecodeConfig`.
         max_tokens: Default token budget per row (rows may override).
         stop: Default stop strings (rows may override).
@@ -117,7 +117,7 @@ class JobConfig:
     dataset: str
     model: str
     output: str
-    mode: str = "baseline"
+    mode: str = "auto"
     draft_tokens: int = DecodeConfig.draft_tokens
     paths: int = DecodeConfig.paths
     tau: float = DecodeConfig.tau

@@ -159,7 +159,8 @@ def test_start_up_says_fast_paths_in_one_line_and_quiet_says_only_the_result(tmp
     base = ["generate", "--dataset", str(dataset), "--model", str(job_model), "--max-tokens", "4"]
     assert main(base + ["--output", str(tmp_path / "a")]) == 0
     err = capsys.readouterr().err.splitlines()
-    assert any(line.startswith("job: ") and "| mode baseline | batch 32 |" in line for line in err)  # what it chose
+    assert any(line.startswith("job: ") and "| mode auto (0..3 drafts a step, chosen as it runs) | batch 32 |" in line
+               for line in err)  # what it chose
     fast = [line for line in err if line.startswith("fast path")]
     assert len(fast) == 1 and fast[0].startswith("fast paths: ") and "(--verbose for each)" in fast[0]
     assert main(base + ["--output", str(tmp_path / "b"), "--verbose"]) == 0

@@ -299,17 +299,17 @@ def test_config_values_are_validated():
 
 
 def test_auto_mode_writes_plain_decodings_rows_and_the_depths_it_chose(tmp_path, job_model, job_engine):
-    """Mode auto chooses each step's drafts as it runs (the job's log says
-    so); the rows equal plain batching's (the default) and record the
+    """Mode auto, the default, chooses each step's drafts as it runs (the
+    job's log says so); the rows equal plain batching's and record the
     depths chosen."""
-    assert JobConfig.mode == "baseline"
+    assert JobConfig.mode == "auto"
     dataset = write_jsonl(tmp_path / "in.jsonl", prompt_rows(5))
-    config = job_config(dataset, job_model, tmp_path / "auto", mode="auto", max_tokens=24)
+    config = job_config(dataset, job_model, tmp_path / "auto", mode=JobConfig.mode, max_tokens=24)
     assert config.resolved().batch_size == DEFAULT_BATCH_SIZE
     log = io.StringIO()
     run_job(config, engine=job_engine, stream=log)
     assert "mode auto (0..3 drafts a step, chosen as it runs) | batch 32 |" in log.getvalue()
-    run_job(job_config(dataset, job_model, tmp_path / "plain", mode=JobConfig.mode, max_tokens=24), engine=job_engine)
+    run_job(job_config(dataset, job_model, tmp_path / "plain", mode="baseline", max_tokens=24), engine=job_engine)
     auto, plain = load_rows(tmp_path / "auto"), load_rows(tmp_path / "plain")
     assert {k: r["completion"] for k, r in auto.items()} == {k: r["completion"] for k, r in plain.items()}
     for r in auto.values():
