@@ -177,10 +177,17 @@ class ChainKernel:
         c = self.config
         rows, width = len(tokens), hidden.shape[1]
         cache_dtype = keys.dtype if keys is not None else self.dtype
+        if keys is not None and offset > keys.shape[2] or valid is not None and (
+                valid.shape[0] != rows or valid.shape[1] < offset):
+            raise ValueError(f"{offset} cache entries of {rows} rows do not fit keys of shape "
+                             f"{None if keys is None else keys.shape} and a mask of {None if valid is None else valid.shape}")
         if keys is None:
             keys = values = mx.zeros((rows, c["kv_heads"], 1, c["head_dim"]), dtype=cache_dtype)
         if not 1 <= k <= MAX_DRAFTS:
             raise ValueError(f"the chain kernel drafts 1..{MAX_DRAFTS} tokens, got {k}")
+        if not rows == hidden.shape[0] == len(counts) == len(positions) == keys.shape[0]:
+            raise ValueError(f"{rows} rows of tokens against {hidden.shape[0]} of hiddens, {len(counts)} counts, "
+                             f"{len(positions)} positions and {keys.shape[0]} of the cache")
         if not all(1 <= n <= width for n in counts) or {len(t) for t in tokens} != {width}:
             raise ValueError(f"each row needs 1..{width} pairs and {width} tokens, got {counts}")
         pmax = offset + width + k

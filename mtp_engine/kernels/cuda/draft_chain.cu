@@ -170,6 +170,7 @@
       const float* prob = scores + h * pmax;
       float s = 0.0f;
       for (int p = g; p < npos; p += groups) {
+        if (p < offset && vcap && !ok[p]) continue;  // a hole: weight 0, and its value is never read
         const float v = p < offset ? static_cast<float>(vc[(static_cast<size_t>(kvh) * cap + p) * HD + d])
                                    : vnew[((p - offset) * KVH + kvh) * HD + d];
         s += prob[p] * v;
@@ -274,6 +275,7 @@
       bi = lane < warps ? red_i[lane] : 0x7fffffff;
       mtp_warp_argmax(bv, bi);
       if (lane == 0) {
+        bi = bi < V ? bi : 0;  // logits all NaN: token 0 (a draft only proposes), never an index past the vocabulary
         tok_sh = bi;
         out[step] = bi;
       }

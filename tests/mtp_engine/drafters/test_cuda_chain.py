@@ -157,6 +157,25 @@ def test_emulated_kernel_drafts_what_the_mlx_head_drafts(engines, name, pending,
     assert mx.allclose(got_logits, want_logits, atol=TOL, rtol=TOL).item()
 
 
+class WideEmulatedKernel(EmulatedKernel):
+    """Twice a tiny head's attention outputs in threads: the attention's sums split over two groups of positions,
+    as a GPU block's 512 threads split them for the shipped head."""
+
+    threads = 128
+
+
+@needs_compiler
+def test_emulated_kernel_with_a_block_wider_than_the_attention_outputs(engines):
+    engine = engines["default"]
+    kernel = make_kernel(engine, WideEmulatedKernel)
+    assert kernel.threads // (kernel.config["heads"] * kernel.config["head_dim"]) == 2
+    ids = engine.encode(PROMPTS[0] + " " + PROMPTS[2] + " " + PROMPTS[4] + " " + PROMPTS[9])
+    hidden, tokens, (keys, values, offset), _, want, want_logits = reference_chain(engine, ids, 5, 3)
+    drafts, _, _ = one_row(kernel, hidden, tokens, keys, values, offset, 3)
+    assert drafts.tolist() == want
+    assert mx.allclose(logits_of(kernel, kernel.last[3]), want_logits, atol=TOL, rtol=TOL).item()
+
+
 @needs_compiler
 def test_emulated_kernel_from_an_empty_cache(engines):
     """A short prompt's pairs go straight into the kernel (no MLX prefill)."""
@@ -336,3 +355,7 @@ def test_one_compiled_kernel_serves_every_depth_and_width(engines):
         template(1, 1, 0, 33)
     with pytest.raises(ValueError, match=r"each row needs 1..2 pairs"):
         kernel.arguments(hidden[:2, :2], [[1, 1], [1, 1]], [2, 0], [0, 0], None, None, None, 0, 1)
+    with pytest.raises(ValueError, match="2 rows of tokens against 3 of hiddens"):
+        kernel.arguments(hidden[:, :2], [[1, 1], [1, 1]], [2, 2], [0, 0], None, None, None, 0, 1)
+    with pytest.raises(ValueError, match="5 cache entries of 1 rows do not fit"):
+        kernel.arguments(hidden[:1, :1], [[1]], [1], [0], None, None, mx.ones((1, 3), dtype=mx.bool_), 5, 1)
