@@ -35,7 +35,8 @@
   CT* nv = new_v + static_cast<size_t>(row) * KVH * P * HD;
   float* ws = work + static_cast<size_t>(row) * wrow;
 
-  // The padding past this row's pairs: zeros (holes the caller's cache keeps, read as finite values).
+  // The padding past this row's pairs: zeros (holes the caller's cache keeps; MLX's attention weighs them 0, so
+  // they must be finite).
   for (int i = tid; i < KVH * (P - m) * HD; i += blockDim.x) {
     const int h = i / ((P - m) * HD), r = m + i / HD % (P - m), d = i % HD;
     nk[(h * P + r) * HD + d] = static_cast<CT>(0.0f);
