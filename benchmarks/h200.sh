@@ -61,6 +61,8 @@ out=${OUT:-benchmarks/results}
 mkdir -p "$out"
 export PYTHONPATH=/root/site:$PWD
 bench="python3 -u -m mtp_engine.bench"
+# The shipped model's 64-prompt job that the job, ab-job and profile suites run (each adds modes, rounds, temperatures).
+job="--dataset examples/prompts.jsonl --limit 64 --max-tokens 96 --batch-size 32"
 # Result files are named after the card that made them: h200-*.json or h100-*.json.
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && echo h100 || echo h200)
 
@@ -76,9 +78,8 @@ case "${1:?tests, ab, ab-job, first-use, tests-decoder, profile, shipped, datase
     # an older commit (gpu-ab.sh stage REV; .ab-old in the call's carry) against this tree, alternating; ab: ARGS to
     # mtp_engine.bench (default the 80b suite's B=32 run); ab-job: the job suite's job (MODES, ROUNDS, TEMPS)
     if [ "$1" = ab-job ]; then
-      export NAME=ab-job MODULE=jobs.bench ARGS="--dataset examples/prompts.jsonl --model $PWD/models/qwen3-next-tiny-stdlib
-        --limit 64 --max-tokens 96 --modes ${MODES:-baseline auto} --rounds ${ROUNDS:-4} --batch-size 32
-        --temperatures ${TEMPS:-0}"
+      export NAME=ab-job MODULE=jobs.bench ARGS="$job --model $PWD/models/qwen3-next-tiny-stdlib
+        --modes ${MODES:-baseline auto} --rounds ${ROUNDS:-4} --temperatures ${TEMPS:-0}"
     fi
     QUEUED=1 bash benchmarks/gpu-ab.sh run ;;
   first-use)
@@ -108,16 +109,14 @@ case "${1:?tests, ab, ab-job, first-use, tests-decoder, profile, shipped, datase
     timeout "${LIMIT:-200}" python3 -u -m mtp_engine.lossless --limit 8 --max-tokens 64 \
       --json "$out/$gpu-lossless.json" 2>&1 | tail -20 ;;
   job)
-    timeout "${LIMIT:-560}" python3 -u -m jobs.bench --dataset examples/prompts.jsonl --limit 64 --max-tokens 96 \
-      --modes ${MODES:-baseline auto chain:3} --rounds ${ROUNDS:-2} --batch-size 32 --temperatures ${TEMPS:-0 0.7} \
-      ${EXTRA:-} --json "$out/$gpu-job${TAG:-}.json" ;;
+    timeout "${LIMIT:-560}" python3 -u -m jobs.bench $job --modes ${MODES:-baseline auto chain:3} --rounds ${ROUNDS:-2} \
+      --temperatures ${TEMPS:-0 0.7} ${EXTRA:-} --json "$out/$gpu-job${TAG:-}.json" ;;
   profile)
     # the job suite's job under cProfile, one process per mode (MODES, default plain batching and auto; ROUNDS, default
     # 3): where the host's time goes, by function -> GPU-profile-MODE.txt (the 45 costliest by own and by total time)
     for mode in ${MODES:-baseline auto}; do
-      timeout "${LIMIT:-240}" python3 -m cProfile -o "/tmp/profile-$mode.prof" -m jobs.bench --dataset examples/prompts.jsonl \
-        --limit 64 --max-tokens 96 --modes "$mode" --rounds ${ROUNDS:-3} --batch-size 32 --temperatures ${TEMPS:-0} \
-        ${EXTRA:-} 2>&1 | tail -3
+      timeout "${LIMIT:-240}" python3 -m cProfile -o "/tmp/profile-$mode.prof" -m jobs.bench $job --modes "$mode" \
+        --rounds ${ROUNDS:-3} --temperatures ${TEMPS:-0} ${EXTRA:-} 2>&1 | tail -3
       python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('tottime').print_stats(45); \
 s.sort_stats('cumulative').print_stats(45)" "/tmp/profile-$mode.prof" > "$out/$gpu-profile-$mode.txt"
     done ;;
