@@ -7,10 +7,12 @@
 #   bash benchmarks/gpu-queue.sh start tests tests-decoder job-80b "audit MODES=adaptive LIMIT=300"
 #   bash benchmarks/gpu-queue.sh poll 540
 #
-# A suite is an h200.sh argument, then any VAR=VALUE it takes. At the end the MLX kernel cache (ptx.tgz) and the
-# CUDA driver's (nv.tgz) come back in $OUT: keep both in .mlx-ptx/ and carry it, and `start` unpacks them. The first
+# A suite is an h200.sh argument, then any VAR=VALUE it takes. At the end the MLX kernel cache comes back as
+# $OUT/ptx.tgz: keep it in .mlx-ptx/ and carry it, and `start` unpacks it (the CUDA driver's, /root/res/nv.tgz, is too
+# big to come back beside the results: `cp /root/res/nv.tgz $OUT` in a call of its own brings it). The first
 # call installs MLX's CUDA build (../shared/gpu/stage-mlx-cuda.sh) before `start`; /root/res keeps earlier results
-# until the machine goes back.
+# until the machine goes back. A job suite ends rc=1 when some rows differ from plain batching's, as half-precision
+# near-ties make them on a GPU: the audit suite says whether each parting is one.
 set -u
 res=/root/res
 case "${1:?start SUITE... or poll SECONDS}" in
@@ -41,7 +43,10 @@ case "${1:?start SUITE... or poll SECONDS}" in
   poll)
     end=$((SECONDS + ${2:-540}))
     while [ ! -f "$res/DONE" ] && [ "$SECONDS" -lt "$end" ]; do sleep 5; done
-    tar czf "${OUT:?}/res.tgz" -C "$res" .  # one file: a call brings back only a few
+    # one file (a call brings back only a few), without the kernel caches: with them (~18 MB) it is too big to come
+    # back; ptx.tgz (~3 MB) comes beside it, nv.tgz (~15 MB) stays on the machine
+    tar czf "${OUT:?}/res.tgz" -C "$res" --exclude=./ptx.tgz --exclude=./nv.tgz .
+    [ -f "$res/ptx.tgz" ] && cp "$res/ptx.tgz" "$OUT/"
     cat "$res/queue.log" 2>/dev/null
     for f in "$res"/*.out; do [ -f "$f" ] && { echo "== $f"; tail -n 6 "$f"; }; done
     [ -f "$res/DONE" ] && echo DONE ;;
