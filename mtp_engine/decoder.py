@@ -38,8 +38,7 @@ from mtp_engine.cache.batch import BatchKVCache, append_row, filter_rows, make_b
 from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.constraints import Constraint, RowGrammar, constrain, masks_of
 from mtp_engine.controller import Controller, RowAcceptance, row_buckets
-from mtp_engine.drafters.select import GREEDY_ONLY, greedy_only
-from mtp_engine.modes import CHAINS, DecodeConfig
+from mtp_engine.modes import CHAINS, DecodeConfig, cannot_draft, serves
 from mtp_engine.prefix import PrefixState, copy_caches
 from mtp_engine.sampling import SamplingParams, apply_penalties, check_logprobs, choose, token_logprobs, top_logits
 from mtp_engine.stopping import Finisher, check_max_tokens, stop_list
@@ -168,11 +167,11 @@ class Decoder:
             if not isinstance(constraint, Constraint):
                 raise TypeError(f"constraint must be a Constraint, got {type(constraint).__name__}")
             engine.grammars.check(constraint)
-        plain_greedy = all(p.greedy for p in samples) and constraint is None  # rows the C++ drafter can draft
+        greedy, masked = all(p.greedy for p in samples), constraint is not None  # what a drafter must serve
         if self.k and self._own_drafter:  # a drafter that cannot draft these rows is named now
-            engine.pick_drafter(mode, self.decode.drafter, plain_greedy)
-        elif self.k and self.drafter.name in GREEDY_ONLY and not plain_greedy:
-            raise greedy_only(self.drafter.name)
+            engine.pick_drafter(mode, self.decode.drafter, greedy, masked)
+        elif self.k and not serves(self.drafter.name, greedy, masked):
+            raise cannot_draft(self.drafter.name)
         check_logprobs(logprobs)
         if prefix is not None and not prefix.continues(ids):
             raise ValueError(f"the prompt ({len(ids)} tokens) does not start with the prefix's {len(prefix)} tokens "
@@ -364,19 +363,19 @@ class Decoder:
 
     def _ready_for(self, q: _Queued, joining: bool = False) -> bool:
         """Whether rows of ``q`` can join now (``joining``: behind prompts in prefill). The drafter
-        is made for the first rows; "auto" drafts greedy rows with the C++ head (or the CUDA kernel)
-        where there is one, so the first sampled or constrained rows wait for an empty batch, which
-        then drafts with the MLX head."""
+        is made for the first rows; "auto" drafts greedy rows with the C++ head (unconstrained ones with
+        the CUDA kernel) where there is one, so the first rows it does not serve wait for an empty batch,
+        which then drafts with the MLX head."""
         if not self.k or self._head_off:
             return True
-        greedy = all(p.greedy for p in q.samples) and q.constraint is None
-        if self.drafter is not None and (greedy or self.drafter.name not in GREEDY_ONLY):
+        greedy, masked = all(p.greedy for p in q.samples), q.constraint is not None
+        if self.drafter is not None and serves(self.drafter.name, greedy, masked):
             return True
         if self.live or joining or not self._own_drafter:
             return False
         self._keep([])
         engine = self.engine
-        self.drafter = engine.make_drafter(engine.pick_drafter(self.decode.mode, self.decode.drafter, greedy))
+        self.drafter = engine.make_drafter(engine.pick_drafter(self.decode.mode, self.decode.drafter, greedy, masked))
         return True
 
     def _admit(self) -> list[tuple[Hashable, GenerationResult]]:

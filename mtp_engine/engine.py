@@ -150,9 +150,9 @@ class MTPEngine:
             self._grammars = Grammars(tokenizer_json(self.tokenizer), self.text.args.vocab_size, self.eos_token_ids)
         return self._grammars
 
-    def pick_drafter(self, mode: str, choice: str = "auto", greedy: bool = True) -> str:
+    def pick_drafter(self, mode: str, choice: str = "auto", greedy: bool = True, masked: bool = False) -> str:
         """The drafter ``choice`` means for ``mode`` here (`mtp_engine.drafters.select.pick`)."""
-        return pick(self.drafters, mode, choice, greedy)
+        return pick(self.drafters, mode, choice, greedy, masked)
 
     def make_drafter(self, kind: str):
         """A fresh drafter of ``kind`` for a decoder's rows."""

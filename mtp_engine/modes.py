@@ -26,6 +26,25 @@ CHAINS = ("auto", "chain")
 DRAFTERS = ("auto", "mlx", "mlx-eager", "cpp", "cuda")
 """Who may draft (`DecodeConfig.drafter`)."""
 
+GREEDY_ONLY = ("cpp",)
+"""Drafters that draft greedy rows only."""
+
+UNMASKED_ONLY = ("cpp", "cuda")
+"""Drafters that draft no constrained rows."""
+
+
+def serves(name: str, greedy: bool, masked: bool) -> bool:
+    """Whether drafter ``name`` drafts rows that are all greedy (``greedy``)
+    or not, some constrained (``masked``) or none."""
+    return not (masked and name in UNMASKED_ONLY or not greedy and name in GREEDY_ONLY)
+
+
+def cannot_draft(name: str) -> ValueError:
+    """The error for rows drafter ``name`` does not draft (`serves`)."""
+    rows = "sampled and constrained rows" if name in GREEDY_ONLY else "constrained rows"
+    what = "greedily, unmasked" if name in GREEDY_ONLY else "unmasked"
+    return ValueError(f"the {name} drafter drafts {what}; {rows} draft with the MLX head (drafter='mlx' or 'auto')")
+
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

@@ -56,7 +56,7 @@ class EngineOptions:
     cpp_drafter: bool = True  # greedy chain and adaptive drafts with the C++ head on the CPU backend
     cpp_drafter_on_gpu: bool = False  # the same on the host CPU of a GPU
     cuda_recurrence: bool = True  # the gated-delta recurrence as one CUDA launch
-    cuda_chain_drafter: bool = True  # every row's greedy chain of drafts in one CUDA launch
+    cuda_chain_drafter: bool = True  # every row's chain of drafts (greedy, exact sampler) in one CUDA launch
     compile_layers: bool | None = None  # compiled decoder layers (None: on the CPU backend)
     compile_head: bool | None = None  # compiled draft forward (None: where the head's RoPE allows it)
     rowwise_linears: bool | None = None  # few-row dense products (None: on CUDA)

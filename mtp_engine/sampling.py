@@ -312,6 +312,26 @@ def choose(logits: mx.array, params: list[SamplingParams], positions: mx.array, 
     return mx.where(is_greedy, greedy, sampled)
 
 
+def draft_noise(params: list[SamplingParams], starts: list[int], k: int, vocab: int) -> mx.array | None:
+    """What makes `draft_choice` an argmax of the head's raw logits, for a
+    drafter that computes them itself (`mtp_engine.kernels.cuda_chain`):
+    ``[R, k, vocab]`` float32, row ``r``'s draft ``j`` being
+    ``argmax(logits + noise[r, j])``. Greedy rows get zeros; exact-sampler
+    rows ``T * g`` with the target's Gumbel noise ``g`` at generated positions
+    ``starts[r] + j`` (``argmax(logprobs / T + g)`` scaled by ``T``). Their
+    filters are left out: a token a filter drops is proposed at most, and the
+    verify rejects it. None when every row is greedy. Rejection-sampler rows
+    draw from the head's distribution instead: a ValueError."""
+    if any(p.sampler == "rejection" and not p.greedy for p in params):
+        raise ValueError("rejection-sampler rows draft from the head's distribution, not by an argmax")
+    if all(p.greedy for p in params):
+        return None
+    positions = mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(k, dtype=mx.int32)[None]
+    scale = mx.array([0.0 if p.greedy else p.temperature for p in params], dtype=mx.float32)
+    scale = scale[:, None, None]
+    return mx.where(scale > 0, scale * gumbel([p.seed for p in params], positions, vocab), 0.0)
+
+
 def ranked_rows(logits: mx.array, params: list[SamplingParams], positions: list[int], k: int) -> list[list[int]]:
     """The ``k`` best choices of each row of ``[R, V]`` logits at its
     generated position (greedy rows: likeliest first; sampling rows: by the

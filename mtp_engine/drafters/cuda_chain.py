@@ -13,6 +13,7 @@ from mtp_engine.kernels.cuda_chain import MAX_DRAFTS, MAX_STEP_BYTES, WEIGHT_ORD
 from mtp_engine.kernels.cuda_chain import ChainKernel, availability
 from mtp_engine.model.mtp_head import MTPHead
 from mtp_engine.modes import CHAINS
+from mtp_engine.sampling import draft_noise
 
 
 def kernel_weights(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> tuple[list[mx.array], dict]:
@@ -63,25 +64,29 @@ def build_chain_kernel(head: MTPHead, embed: nn.Module, lm_head: nn.Module) -> t
 
 
 class CudaChainDrafter(HeadDrafter):
-    """`HeadDrafter` whose greedy chains, every row's, run as one `ChainKernel`
-    launch. Other modes and sampling draft with the MLX head (the head's
-    cache and pending pairs are the MLX drafter's, so the two take turns on
-    one state)."""
+    """`HeadDrafter` whose chains of greedy and exact-sampler rows, every
+    row's, run as one `ChainKernel` launch. Other modes and the rejection
+    sampler draft with the MLX head (``compiled``: its compiled forward; the
+    head's cache and pending pairs are the MLX drafter's, so the two take
+    turns on one state)."""
 
-    def __init__(self, head: MTPHead, embed: nn.Module, lm_head, prefill_step_size: int, kernel: ChainKernel):
-        super().__init__(head, embed, lm_head, prefill_step_size)
+    def __init__(self, head: MTPHead, embed: nn.Module, lm_head, prefill_step_size: int, kernel: ChainKernel,
+                 compiled=None):
+        super().__init__(head, embed, lm_head, prefill_step_size, compiled)
         self.name = "cuda"
         self.kernel = kernel
 
     def propose(self, decode, k: int, params, starts, caps) -> Proposal:
-        """K greedy drafts of every row, ``[rows, k]`` int32, from one kernel
-        launch (its evaluation starts at once; not read back)."""
-        if decode.mode not in CHAINS or not all(p.greedy for p in params) or not 1 <= k <= MAX_DRAFTS:
+        """K drafts of every row, ``[rows, k]`` int32, from one kernel launch
+        (its evaluation starts at once; not read back)."""
+        rejecting = any(p.sampler == "rejection" and not p.greedy for p in params)
+        if decode.mode not in CHAINS or rejecting or not 1 <= k <= MAX_DRAFTS:
             return super().propose(decode, k, params, starts, caps)
         hidden, tokens, counts = self._gather_pending()
         c, width = self.cache[0], hidden.shape[1]
         drafts, new_k, new_v = self.kernel(hidden, [t + [0] * (width - len(t)) for t in tokens], counts,
-                                           c.positions, c.keys, c.values, c.valid if c.holes else None, c.idx, k)
+                                           c.positions, c.keys, c.values, c.valid if c.holes else None, c.idx, k,
+                                           draft_noise(params, starts, k, self.kernel.config["vocab"]))
         c.update_and_fetch(new_k, new_v)  # the pairs' entries, each row keeping its own (as `_consume` keeps them)
         c.settle(counts, width)
         self._base = (c.idx, list(c.positions))

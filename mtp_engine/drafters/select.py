@@ -2,8 +2,9 @@
 
 "auto" takes the fastest drafter that serves the mode and the rows'
 sampling: the C++ head for greedy chains and adaptive chains where the
-engine has it, else the CUDA chain kernel for greedy chains (every row's in one
-launch), else the MLX head.
+engine has it, else the CUDA chain kernel for chains of greedy and sampled
+rows (every row's in one launch; the rejection sampler's through the MLX
+head), else the MLX head.
 Constrained rows (`mtp_engine.constraints`) draft masked chains with the
 MLX head: modes baseline, auto and chain. Drafters change speed, never
 output.
@@ -19,18 +20,8 @@ from mtp_engine.drafters.compiled_head import CompiledHead, can_compile_head
 from mtp_engine.drafters.cpp_head import CppDrafter, build_cpp_head
 from mtp_engine.drafters.head import HeadDrafter
 from mtp_engine.model.install import decide
-from mtp_engine.modes import CHAINS, DRAFTERS
+from mtp_engine.modes import CHAINS, DRAFTERS, cannot_draft, serves
 from mtp_engine.options import EngineOptions, FastPathStatus
-
-GREEDY_ONLY = ("cpp", "cuda")
-"""Drafters that draft greedily only, unmasked."""
-
-
-def greedy_only(name: str) -> ValueError:
-    """The error for sampled or constrained rows given to a drafter of `GREEDY_ONLY`."""
-    return ValueError(f"the {name} drafter drafts greedily, unmasked; sampled and constrained rows draft with the "
-                      "MLX head (drafter='mlx' or 'auto')")
-
 
 @dataclass
 class DrafterParts:
@@ -71,13 +62,14 @@ def build_drafters(head, embed, lm_head, lm_head_module, prefill_step_size: int,
 
         parts.kernel, why = build_chain_kernel(head, embed, lm_head_module)
     parts.statuses.append(decide("cuda_chain_drafter", options.cuda_chain_drafter, True, why,
-                                 "every row's greedy chain in one launch"))
+                                 "every row's chain in one launch"))
     return parts
 
 
-def pick(parts: DrafterParts, mode: str, choice: str = "auto", greedy: bool = True) -> str:
+def pick(parts: DrafterParts, mode: str, choice: str = "auto", greedy: bool = True, masked: bool = False) -> str:
     """The drafter ``choice`` means for ``mode`` and rows that are all
-    greedy (``greedy``) or not: "mlx", "mlx-eager", "cpp" or "cuda".
+    greedy (``greedy``) or not, some constrained (``masked``) or none:
+    "mlx", "mlx-eager", "cpp" or "cuda".
 
     Raises:
         ValueError: An unknown choice, or one that cannot draft this mode or
@@ -85,17 +77,17 @@ def pick(parts: DrafterParts, mode: str, choice: str = "auto", greedy: bool = Tr
     """
     if choice not in DRAFTERS:
         raise ValueError(f"drafter must be one of {', '.join(map(repr, DRAFTERS))}, got {choice!r}")
-    if not greedy and choice in GREEDY_ONLY:
-        raise greedy_only(choice)
-    cpp_ok = parts.cpp is not None and mode in CppDrafter.modes and greedy
-    cuda_ok = parts.kernel is not None and mode in CHAINS and greedy
+    if not serves(choice, greedy, masked):
+        raise cannot_draft(choice)
+    cpp_ok = parts.cpp is not None and mode in CppDrafter.modes and serves("cpp", greedy, masked)
+    cuda_ok = parts.kernel is not None and mode in CHAINS and serves("cuda", greedy, masked)
     if choice == "auto":
         return "cpp" if cpp_ok else "cuda" if cuda_ok else "mlx" if parts.compiled is not None else "mlx-eager"
     if choice == "cpp" and not cpp_ok:
         raise ValueError(f"no C++ drafter for mode {mode!r}: it drafts chain and adaptive modes on the CPU backend "
                          "(or with cpp_drafter_on_gpu) when _mtp_cpp_drafter is built and the head is one it runs")
     if choice == "cuda" and not cuda_ok:
-        raise ValueError(f"no cuda chain drafter for mode {mode!r}: it drafts chain mode on MLX's CUDA backend "
+        raise ValueError(f"no cuda chain drafter for mode {mode!r}: it drafts chain modes on MLX's CUDA backend "
                          "for one-layer MoE heads of unquantized weights (mtp_engine.kernels.cuda_chain)")
     return "mlx-eager" if choice == "mlx" and parts.compiled is None else choice
 
@@ -107,5 +99,5 @@ def make_drafter(parts: DrafterParts, kind: str):
     if kind == "cuda":
         from mtp_engine.drafters.cuda_chain import CudaChainDrafter  # CUDA only
 
-        return CudaChainDrafter(*parts.head_args, kernel=parts.kernel)
+        return CudaChainDrafter(*parts.head_args, kernel=parts.kernel, compiled=parts.compiled)
     return HeadDrafter(*parts.head_args, compiled=parts.compiled if kind == "mlx" else None)

@@ -8,17 +8,20 @@ many kernels as the verify forward it feeds.
 
 `ChainKernel` runs the head's whole chain for every row in one launch, one
 thread block a row: the row's pending pairs (the accepted tokens against the
-trunk's true hiddens), then K-1 greedy steps, each feeding its token and
-hidden to the next. A row attends to its own entries of the head's batched
-KV cache (`mtp_engine.cache.batch.BatchKVCache`: its holes masked, its own
-RoPE positions). A block works through each step in phases separated by
+trunk's true hiddens), then K-1 more steps, each feeding its token and
+hidden to the next. A draft is the argmax of the LM head's logits, plus the
+step's ``noise`` where rows sample (`mtp_engine.sampling.draft_noise`: the
+exact sampler's Gumbel-max choice, what the MLX head drafts for them). A
+row attends to its own entries of the head's batched KV cache
+(`mtp_engine.cache.batch.BatchKVCache`: its holes masked, its own RoPE
+positions). A block works through each step in phases separated by
 ``__syncthreads``:
 norms, the ``fc``, the attention projections, RMS-normed queries and keys
 with RoPE, attention over the head's KV cache and the new positions, the
 gated output projection, the MoE block (softmax router, top-k, SwiGLU
 experts, sigmoid-gated shared expert), the final norm, the LM head and an
-argmax. Products are warp-per-output dot products over 16-byte weight
-loads; everything accumulates in float32.
+argmax (of logits plus noise, where given). Products are warp-per-output
+dot products over 16-byte weight loads; everything accumulates in float32.
 
 What it keeps: the pending pairs' keys and values come back in the cache's
 dtype, ``[rows, kv_heads, width, head_dim]`` (zeros past a row's own pairs,
@@ -94,7 +97,8 @@ WEIGHT_ARGS = (
 )
 """The kernel's names for them."""
 
-INPUT_NAMES = ("hidden", "tokens", "meta", "rows_meta", "fparams", "inv_freq", "k_cache", "v_cache", "valid") + WEIGHT_ARGS
+INPUT_NAMES = ("hidden", "tokens", "meta", "rows_meta", "fparams", "inv_freq", "k_cache", "v_cache", "valid",
+               "noise") + WEIGHT_ARGS
 OUTPUT_NAMES = ("drafts", "new_k", "new_v", "work")
 
 def work_offsets(config: dict, width: int = 1) -> dict[str, int]:
@@ -171,7 +175,7 @@ class ChainKernel:
         ]
 
     def arguments(self, hidden: mx.array, tokens: list[list[int]], counts: list[int], positions: list[int],
-                  keys, values, valid, offset: int, k: int):
+                  keys, values, valid, offset: int, k: int, noise: mx.array | None = None):
         """Inputs, template, output shapes and dtypes of one launch (shared
         with the tests' emulator); the arguments are `__call__`'s."""
         c = self.config
@@ -190,13 +194,18 @@ class ChainKernel:
                              f"{len(positions)} positions and {keys.shape[0]} of the cache")
         if not all(1 <= n <= width for n in counts) or {len(t) for t in tokens} != {width}:
             raise ValueError(f"each row needs 1..{width} pairs and {width} tokens, got {counts}")
+        if noise is not None and (noise.shape != (rows, k, c["vocab"]) or noise.dtype != mx.float32):
+            raise ValueError(f"noise must be float32 [rows, k, vocab] = [{rows}, {k}, {c['vocab']}], got "
+                             f"{noise.dtype} {list(noise.shape)}")
         pmax = offset + width + k
         work = work_offsets(c, width)["scores"] + c["heads"] * pmax
         vcap = 0 if valid is None else valid.shape[1]
-        meta = mx.array([offset, width, keys.shape[2], pmax, k, vcap, work], dtype=mx.int32)
+        meta = mx.array([offset, width, keys.shape[2], pmax, k, vcap, work, noise is not None],
+                        dtype=mx.int32)
         rows_meta = mx.array([[n, p] for n, p in zip(counts, positions)], dtype=mx.int32)
         inputs = [hidden, mx.array(tokens, dtype=mx.int32), meta, rows_meta, self.fparams, self.inv_freq, keys, values,
-                  valid if valid is not None else mx.zeros((1,), dtype=mx.bool_)]
+                  valid if valid is not None else mx.zeros((1,), dtype=mx.bool_),
+                  noise if noise is not None else mx.zeros((1,), dtype=mx.float32)]
         inputs += self.weights
         new = (rows, c["kv_heads"], width, c["head_dim"])
         shapes = [(rows, k), new, new, (rows * work,)]
@@ -204,17 +213,19 @@ class ChainKernel:
         return inputs, self.template(hidden.dtype, cache_dtype), shapes, dtypes
 
     def __call__(self, hidden: mx.array, tokens: list[list[int]], counts: list[int], positions: list[int],
-                 keys, values, valid, offset: int, k: int):
+                 keys, values, valid, offset: int, k: int, noise: mx.array | None = None):
         """Launch every row's chain. Row ``r`` has ``counts[r]`` pending pairs,
         ``hidden[r]`` and ``tokens[r]`` right-padded
         to the width of ``hidden`` ``[rows, width, dim]``, at RoPE positions
         ``positions[r]..``, after a KV cache (``keys``/``values`` ``[rows,
         kv_heads, cap, head_dim]`` holding ``offset`` entries, or None when
         empty) whose entries it attends where ``valid`` ``[rows, >= offset]``
-        (None: all). Returns the drafts ``[rows, k]`` int32 and the pairs'
+        (None: all). Draft ``j`` of row ``r`` is the argmax of the logits plus
+        ``noise[r, j]`` (float32 ``[rows, k, vocab]``; None: the logits alone).
+        Returns the drafts ``[rows, k]`` int32 and the pairs'
         keys and values ``[rows, kv_heads, width, head_dim]``."""
         inputs, template, shapes, dtypes = self.arguments(hidden, tokens, counts, positions, keys, values, valid,
-                                                          offset, k)
+                                                          offset, k, noise)
         drafts, new_k, new_v, _ = _kernel()(
             inputs=inputs, template=template, grid=(THREADS, len(tokens), 1), threadgroup=(THREADS, 1, 1),
             output_shapes=shapes, output_dtypes=dtypes,

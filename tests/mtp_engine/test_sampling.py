@@ -32,8 +32,11 @@ from mtp_engine.decoder import Decoder
 from mtp_engine.modes import DecodeConfig
 from mtp_engine.io.tiny import tiny_config
 from mtp_engine.sampling import (
+    GREEDY,
     SamplingParams,
     choose,
+    draft_choice,
+    draft_noise,
     filtered_logprobs,
     gumbel,
     scaled_logprobs,
@@ -461,3 +464,23 @@ def test_bad_sampling_values_are_named():
         SamplingParams(temperature=1, top_p=0)
     with pytest.raises(ValueError, match="sampler must be one of exact, rejection, got 'gumbel'"):
         SamplingParams(sampler="gumbel")
+
+
+def test_draft_noise_makes_the_drafts_an_argmax_of_the_raw_logits():
+    """`draft_noise` is what the CUDA chain kernel adds to the head's logits:
+    argmax(logits + noise) is `draft_choice`'s draft for greedy and
+    exact-sampler rows, at each row's generated positions."""
+    params = [SamplingParams(temperature=0.7, seed=3), GREEDY, SamplingParams(temperature=1.4, seed=8)]
+    starts, k, vocab = [0, 5, 17], 4, 300
+    logits = 3 * mx.random.normal((3, k, vocab), key=mx.random.key(1))
+    noise = draft_noise(params, starts, k, vocab)
+    assert noise.shape == (3, k, vocab) and noise.dtype == mx.float32
+    assert not mx.any(noise[1]).item()  # the greedy row's
+    got = mx.argmax(logits + noise, axis=-1)
+    want = mx.concatenate([draft_choice(logits[:, j : j + 1], params, mx.array(starts)[:, None] + j)[0]
+                           for j in range(k)], axis=1)
+    assert got.tolist() == want.tolist()
+    assert len({tuple(r) for r in got.tolist()}) == 3
+    assert draft_noise([GREEDY] * 2, [0, 0], k, vocab) is None
+    with pytest.raises(ValueError, match="rejection-sampler rows draft from the head's distribution"):
+        draft_noise([SamplingParams(temperature=1.0, sampler="rejection")], [0], k, vocab)

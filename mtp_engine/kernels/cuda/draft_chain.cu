@@ -17,6 +17,7 @@
   const int K = meta[4];        // drafts, 1..MAXK
   const int vcap = meta[5];     // entries a row of `valid` holds; 0: no cache entry is a hole
   const int wrow = meta[6];     // scratch floats a row
+  const bool noisy = meta[7];   // `noise` holds [rows, K, V]: each draft is the argmax of logits + noise
   const int m = rows_meta[2 * row];          // this row's pending pairs, 1..P
   const int rope0 = rows_meta[2 * row + 1];  // RoPE position of its first pending pair
   const float eps = fparams[0], rope_scale = fparams[1], attn_scale = fparams[2];
@@ -34,6 +35,7 @@
   CT* nk = new_k + static_cast<size_t>(row) * KVH * P * HD;
   CT* nv = new_v + static_cast<size_t>(row) * KVH * P * HD;
   float* ws = work + static_cast<size_t>(row) * wrow;
+  const float* nz = noisy ? noise + static_cast<size_t>(row) * K * V : nullptr;
 
   // The padding past this row's pairs: zeros (holes the caller's cache keeps; MLX's attention weighs them 0, so
   // they must be finite).
@@ -256,12 +258,14 @@
     mtp_matvec<W, DIM>(lm_head, V, mb, logits, nullptr);
     __syncthreads();
 
-    // Greedy token: the largest logit, the lowest index among equals.
+    // The draft: the largest logit (with the step's noise, the exact sampler's choice: temperature x Gumbel
+    // noise; sampling.draft_noise), the lowest index among equals.
     float bv = MTP_NEG_MAX;
     int bi = 0x7fffffff;
     for (int i = tid; i < V; i += blockDim.x) {
-      if (logits[i] > bv) {
-        bv = logits[i];
+      const float score = nz ? logits[i] + nz[step * V + i] : logits[i];
+      if (score > bv) {
+        bv = score;
         bi = i;
       }
     }

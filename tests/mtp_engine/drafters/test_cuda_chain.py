@@ -18,11 +18,12 @@ import pytest
 from mtp_engine import MTPEngine
 from mtp_engine.cache.capture import make_main_cache
 from mtp_engine.drafters import cuda_chain as chain_drafter
+from mtp_engine.drafters import select
 from mtp_engine.decoder import Decoder
 from mtp_engine.drafters.cuda_chain import build_chain_kernel
 from mtp_engine.drafters.head import HeadDrafter
 from mtp_engine.modes import DecodeConfig
-from mtp_engine.sampling import GREEDY
+from mtp_engine.sampling import GREEDY, SamplingParams
 from mtp_engine.model.head_weights import UnsupportedHead
 from mtp_engine.io.tiny import tiny_config
 from mtp_engine.kernels import cuda_chain
@@ -59,9 +60,9 @@ class EmulatedKernel(cuda_chain.ChainKernel):
 
     launches = 0
 
-    def __call__(self, hidden, tokens, counts, positions, keys, values, valid, offset, k):
+    def __call__(self, hidden, tokens, counts, positions, keys, values, valid, offset, k, noise=None):
         inputs, template, shapes, dtypes = self.arguments(hidden, tokens, counts, positions, keys, values, valid,
-                                                          offset, k)
+                                                          offset, k, noise)
         self.last = simt.run(cuda_chain.header(), cuda_chain.source(), cuda_chain.INPUT_NAMES, inputs,
                              cuda_chain.OUTPUT_NAMES, template, shapes, dtypes,
                              grid=(self.threads, len(tokens), 1), threadgroup=(self.threads, 1, 1))
@@ -214,12 +215,18 @@ def _join(engine, drafter, slot, ids):
     drafter.add_row(slot, hidden, ids[1:] + [5])
 
 
+# Rows that sample draft the exact sampler's choice: a row of each temperature and a greedy one.
+SAMPLED = [SamplingParams(temperature=0.8, seed=11), GREEDY, SamplingParams(temperature=1.3, seed=4)]
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_kernel_drafts_every_rows_chain_over_its_own_entries(engines, kind):
+@pytest.mark.parametrize("params", [[GREEDY] * 3, SAMPLED], ids=["greedy", "sampled"])
+def test_kernel_drafts_every_rows_chain_over_its_own_entries(engines, kind, params):
     """Rows joined at different lengths (one in the place of a row that left)
     and kept different counts of pairs, so the head's cache has holes and
     each row its own RoPE positions. One launch drafts every row's chain:
-    what the MLX head drafts from the same state, leaving the same cache."""
+    what the MLX head drafts from the same state (sampling rows: at their
+    own generated positions), leaving the same cache."""
     engine = engines["default"]
     kernel = make_kernel(engine, kind)
     ours = chain_drafter.CudaChainDrafter(*engine.drafters.head_args, kernel=kernel)
@@ -243,8 +250,9 @@ def test_kernel_drafts_every_rows_chain_over_its_own_entries(engines, kind):
         if step >= 2:
             assert ours.cache[0].holes
         launches = kernel.launches
-        got = ours.propose(decode, k, [GREEDY] * 3, [0] * 3, [k] * 3)
-        want = theirs.propose(decode, k, [GREEDY] * 3, [0] * 3, [k] * 3)
+        starts = [3 * step + 7 * r for r in range(3)]
+        got = ours.propose(decode, k, params, starts, [k] * 3)
+        want = theirs.propose(decode, k, params, starts, [k] * 3)
         assert kernel.launches == launches + 1  # the kernel drafted, not the MLX head
         assert got.tokens.tolist() == want.tokens.tolist(), step
         m = probe._consume()  # the MLX head's chain over the same drafts, step by step
@@ -268,10 +276,12 @@ def test_kernel_drafts_every_rows_chain_over_its_own_entries(engines, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_batched_decoding_with_the_kernel_equals_plain_decoding(engines, kind):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_batched_decoding_with_the_kernel_equals_plain_decoding(engines, kind, sampled):
     """Rows join and leave a batch; every speculative step's drafts come from
-    one launch. Each row equals plain decoding of its prompt alone, with the
-    MLX drafter's acceptance."""
+    one launch. Each row equals plain decoding of its prompt alone (sampled:
+    at its seed, greedy rows among them), with the MLX drafter's acceptance;
+    a row with a nucleus filter, which its drafts leave out, too."""
     engine = engines["default"]
     kernel = make_kernel(engine, kind)
     calls = []
@@ -282,19 +292,26 @@ def test_batched_decoding_with_the_kernel_equals_plain_decoding(engines, kind):
             return super().propose(*args)
     prompts = [PROMPTS[i] for i in (0, 3, 5, 7, 9)]
     budgets = [9, 5, 8, 3, 9]
-    plain = [engine.generate(p, max_tokens=n, mode="baseline").tokens for p, n in zip(prompts, budgets)]
+    params = [GREEDY] * 5
+    if sampled:  # hot rows: drafts that left out their noise would be accepted less often than the MLX head's
+        params = [SamplingParams(temperature=1.5, seed=1), GREEDY, SamplingParams(temperature=2.0, seed=2),
+                  SamplingParams(temperature=0.7, seed=3, top_p=0.8), SamplingParams(temperature=0.9, seed=4)]
+    plain = [engine.generate(p, max_tokens=n, mode="baseline", sampling=s).tokens
+             for p, n, s in zip(prompts, budgets, params)]
     decode = DecodeConfig(mode="chain", draft_tokens=3, batch_size=3)
     runs = {}
     for name, drafter in (("mlx", None), ("kernel", Counting(*engine.drafters.head_args, kernel=kernel))):
         decoder = Decoder(engine, replace(decode, drafter="mlx"), drafter=drafter)
-        for i, (p, n) in enumerate(zip(prompts, budgets)):
-            decoder.add(i, p, [GREEDY], max_tokens=n)
+        for i, (p, n, s) in enumerate(zip(prompts, budgets, params)):
+            decoder.add(i, p, [s], max_tokens=n)
         results = {}
         while decoder.pending:
             results.update({key: r for (key, _), r in decoder.step()})
         runs[name] = [results[i] for i in range(len(prompts))]
     assert [r.tokens for r in runs["kernel"]] == plain
-    assert [r.stats.histogram for r in runs["kernel"]] == [r.stats.histogram for r in runs["mlx"]]
+    unfiltered = [i for i, s in enumerate(params) if s.top_p == 1]  # (a filtered row's drafts may differ)
+    assert [runs["kernel"][i].stats.histogram for i in unfiltered] == [runs["mlx"][i].stats.histogram
+                                                                        for i in unfiltered]
     assert calls and kernel.launches == calls[-1] + 1 == len(calls)  # each step launched once
 
 
@@ -359,3 +376,19 @@ def test_one_compiled_kernel_serves_every_depth_and_width(engines):
         kernel.arguments(hidden[:, :2], [[1, 1], [1, 1]], [2, 2], [0, 0], None, None, None, 0, 1)
     with pytest.raises(ValueError, match="5 cache entries of 1 rows do not fit"):
         kernel.arguments(hidden[:1, :1], [[1]], [1], [0], None, None, mx.ones((1, 3), dtype=mx.bool_), 5, 1)
+
+
+def test_auto_picks_the_kernel_for_greedy_and_sampled_rows_and_the_mlx_head_for_constrained_ones(engines):
+    """Where the kernel is built (CUDA), "auto" drafts chains of greedy and
+    sampled rows with it (a batch of both then keeps one drafter); rows under a
+    constraint need the MLX head, and naming the kernel for them is an error."""
+    parts = replace(engines["default"].drafters, kernel=object(), cpp=None)  # a kernel, as on CUDA
+    for greedy in (True, False):
+        assert select.pick(parts, "chain", "auto", greedy) == "cuda"
+        assert select.pick(parts, "auto", "auto", greedy) == "cuda"
+        assert select.pick(parts, "chain", "auto", greedy, masked=True) in ("mlx", "mlx-eager")
+        assert select.pick(parts, "tree", "auto", greedy) in ("mlx", "mlx-eager")
+    with pytest.raises(ValueError, match="the cuda drafter drafts unmasked; constrained rows draft with the MLX head"):
+        select.pick(parts, "chain", "cuda", masked=True)
+    with pytest.raises(ValueError, match="the cpp drafter drafts greedily, unmasked; sampled and constrained rows"):
+        select.pick(parts, "chain", "cpp", greedy=False)

@@ -191,7 +191,7 @@ def test_nvrtc_compiles_the_engine_kernels(kernel, tmp_path):
         c = {"dim": 384, "heads": 6, "kv_heads": 2, "head_dim": 64, "rope_dims": 16, "vocab": 3072, "experts": 4,
              "top_k": 2, "expert_dim": 192, "shared_dim": 192, "norm_topk": True}
         template = cuda_chain.ChainKernel.template(SimpleNamespace(config=c, dtype=bf16), bf16, bf16)
-        args = ([bf16, mx.int32, mx.int32, mx.int32, mx.float32, mx.float32, bf16, bf16, mx.bool_]
+        args = ([bf16, mx.int32, mx.int32, mx.int32, mx.float32, mx.float32, bf16, bf16, mx.bool_, mx.float32]
                 + [bf16] * len(cuda_chain.WEIGHT_ARGS),
                 template, [mx.int32, bf16, bf16, mx.float32])
     else:
