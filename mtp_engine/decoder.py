@@ -363,9 +363,9 @@ class Decoder:
 
     def _ready_for(self, q: _Queued, joining: bool = False) -> bool:
         """Whether rows of ``q`` can join now (``joining``: behind prompts in prefill). The drafter
-        is made for the first rows; "auto" drafts greedy rows with the C++ head (unconstrained ones with
-        the CUDA kernel) where there is one, so the first rows it does not serve wait for an empty batch,
-        which then drafts with the MLX head."""
+        is made for the first rows; "auto" drafts unconstrained greedy rows with the C++ head, unconstrained
+        rows with the CUDA kernel, where there is one, so the first rows it does not serve wait for an empty
+        batch, which then drafts with the MLX head."""
         if not self.k or self._head_off:
             return True
         greedy, masked = all(p.greedy for p in q.samples), q.constraint is not None

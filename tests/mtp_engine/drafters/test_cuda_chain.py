@@ -17,6 +17,7 @@ import pytest
 
 from mtp_engine import MTPEngine
 from mtp_engine.cache.capture import make_main_cache
+from mtp_engine.constraints import Constraint
 from mtp_engine.drafters import cuda_chain as chain_drafter
 from mtp_engine.drafters import select
 from mtp_engine.decoder import Decoder
@@ -207,6 +208,36 @@ def test_decoding_with_the_emulated_kernel_equals_plain_decoding(engines):
             assert kernel_run.stats.histogram == mlx_run.stats.histogram
     finally:
         engine.drafters.kernel = own
+
+
+@needs_compiler
+def test_auto_drafts_greedy_and_sampled_rows_in_one_kernel_batch_and_constrained_rows_wait(engines):
+    """With the kernel (as on CUDA, no C++ head), "auto" drafts greedy and
+    sampled rows in one batch with it: the sampled row joins the greedy one.
+    A constrained row waits for an empty batch, which the MLX head then
+    drafts (the sampled row queued behind it joins it there). Every row
+    equals plain decoding."""
+    engine = engines["default"]
+    kernel, own = make_kernel(engine, EmulatedKernel), (engine.drafters.kernel, engine.drafters.cpp)
+    engine.drafters.kernel, engine.drafters.cpp = kernel, None
+    try:
+        rows = [(PROMPTS[0], GREEDY, None, 10), (PROMPTS[3], SamplingParams(temperature=0.9, seed=2), None, 8),
+                (PROMPTS[5], GREEDY, Constraint("regex", "[a-z ]{1,8}"), 8),
+                (PROMPTS[7], SamplingParams(temperature=1.2, seed=5), None, 6)]
+        decoder = Decoder(engine, DecodeConfig(mode="chain", draft_tokens=3, batch_size=3))
+        for i, (prompt, params, constraint, n) in enumerate(rows):
+            decoder.add(i, prompt, [params], max_tokens=n, constraint=constraint)
+        results, seen = {}, []
+        while decoder.pending:
+            results.update({key: r for (key, _), r in decoder.step()})
+            seen.append((decoder.drafter.name, sorted(r.key[0] for r in decoder.rows)))
+        plain = [engine.generate(p, max_tokens=n, mode="baseline", sampling=s, constraint=c).tokens
+                 for p, s, c, n in rows]
+    finally:
+        engine.drafters.kernel, engine.drafters.cpp = own
+    assert seen[0] == ("cuda", [0, 1]) and kernel.launches > 0  # the constrained row (and the one behind it) wait
+    assert {d for d, keys in seen if keys and min(keys) >= 2} == {"mlx"}
+    assert [results[i].tokens for i in range(len(rows))] == plain
 
 
 def _join(engine, drafter, slot, ids):
