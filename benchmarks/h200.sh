@@ -19,6 +19,8 @@
 #                                      # modes (adaptive, one row at a time, takes minutes: give it a call of its own)
 #   bash benchmarks/h200.sh job        # shipped model, a 64-prompt x 96-token job end to end: plain batching, auto,
 #                                      # batched chain K=3 at B=32, greedy and T=0.7 (python -m jobs.bench) -> h200-job.json
+#   bash benchmarks/h200.sh job-batches # the same job, plain batching and auto at each of BATCHES (default 32 64 128),
+#                                      # greedy, 3 rounds a size: the best plain batching -> GPU-job-bN.json
 #   bash benchmarks/h200.sh job-80b    # the runner end to end on Qwen3-Next-80B-A3B shapes (random 4-bit weights,
 #                                      # generated 1K-token prompts x 256 new tokens, drafts projected at 0.93,0.82,0.64):
 #                                      # plain batching vs auto; 64 prompts at B=32, 2 rounds; job-80b-b8: 32 at B=8, 2 rounds;
@@ -53,9 +55,9 @@
 # ~38 MB tree under a call's 64 MiB); the fourth call carries the small last part, the other wheels and .mlx-ptx.
 # Several suites back to back in a detached process, polled by later calls: benchmarks/gpu-queue.sh.
 set -u
-# A queue suite's VAR=VALUE holds no spaces (benchmarks/gpu-queue.sh): in MODES, TEMPS and EXTRA a "+" stands for one
+# A queue suite's VAR=VALUE holds no spaces (benchmarks/gpu-queue.sh): in MODES, TEMPS, EXTRA and BATCHES a "+" stands for one
 # (MODES=baseline+auto, EXTRA=--draft-tokens+5).
-for var in MODES TEMPS EXTRA; do if [ -n "${!var:-}" ]; then export "$var=${!var//+/ }"; fi; done
+for var in MODES TEMPS EXTRA BATCHES; do if [ -n "${!var:-}" ]; then export "$var=${!var//+/ }"; fi; done
 if [ -f .mlx-ptx/ptx.tgz ] && [ ! -d /tmp/mlx ]; then tar xzf .mlx-ptx/ptx.tgz -C /tmp; fi
 out=${OUT:-benchmarks/results}
 mkdir -p "$out"
@@ -66,7 +68,7 @@ job="--dataset examples/prompts.jsonl --limit 64 --max-tokens 96 --batch-size 32
 # Result files are named after the card that made them: h200-*.json or h100-*.json.
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H100 && echo h100 || echo h200)
 
-case "${1:?tests, ab, ab-job, first-use, tests-decoder, profile, shipped, dataset, sampling, lossless, job, audit, job-80b, job-80b-b8, job-80b-sampled, job-80b-weak, job-80b-falling, job-80b-prefix, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
+case "${1:?tests, ab, ab-job, first-use, tests-decoder, profile, shipped, dataset, sampling, lossless, job, job-batches, audit, job-80b, job-80b-b8, job-80b-sampled, job-80b-weak, job-80b-falling, job-80b-prefix, 80b, 80b-b8, 80b-depths, 80b-phases, 80b-8k, 80b-host, 80b-prefill, qwen3.5-27b or qwen3.5-35b-a3b}" in
   tests)
     # TESTS=a,b: these pytest arguments instead, comma-separated (a queue suite's VAR=VALUE holds no spaces)
     tests=${TESTS:-tests/mtp_engine/kernels,tests/mtp_engine/drafters,tests/mtp_engine/model/test_rowwise.py}
@@ -111,6 +113,11 @@ case "${1:?tests, ab, ab-job, first-use, tests-decoder, profile, shipped, datase
   job)
     timeout "${LIMIT:-560}" python3 -u -m jobs.bench $job --modes ${MODES:-baseline auto chain:3} --rounds ${ROUNDS:-2} \
       --temperatures ${TEMPS:-0 0.7} ${EXTRA:-} --json "$out/$gpu-job${TAG:-}.json" ;;
+  job-batches)
+    for bs in ${BATCHES:-32 64 128}; do
+      timeout "${LIMIT:-180}" python3 -u -m jobs.bench $job --batch-size "$bs" --modes ${MODES:-baseline auto} \
+        --rounds ${ROUNDS:-3} --temperatures ${TEMPS:-0} ${EXTRA:-} --json "$out/$gpu-job-b$bs.json" | tail -4
+    done ;;
   profile)
     # the job suite's job under cProfile, one process per mode (MODES, default plain batching and auto; ROUNDS, default
     # 3): where the host's time goes, by function -> GPU-profile-MODE.txt (the 45 costliest by own and by total time)
