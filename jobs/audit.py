@@ -238,7 +238,7 @@ def audit_row(engine: MTPEngine, req: Request, row: dict, dtype) -> RowAudit:
     ids where it keeps them, else by its text)."""
     params = req.sample_params(row["sample"])
     rid, j = row["id"], row["sample"]
-    if not params.greedy and params.sampler == "rejection":
+    if params.rejects:
         return RowAudit(rid, j, "not auditable", note="the rejection sampler's tokens depend on the draft depth")
     plain = engine.generate(req.prompt_ids, decode=DecodeConfig(mode="baseline"), sampling=params,
                             max_tokens=req.max_tokens, stop=list(req.stop) or None, trace=True)

@@ -158,7 +158,7 @@ class Decoder:
         if not samples or not all(isinstance(p, SamplingParams) for p in samples):
             raise TypeError("samples must be a non-empty list of SamplingParams")
         mode = self.decode.mode
-        if self.k and mode not in CHAINS and any(p.sampler == "rejection" and not p.greedy for p in samples):
+        if self.k and mode not in CHAINS and any(p.rejects for p in samples):
             raise ValueError(f"the rejection sampler drafts chains; mode {mode!r} needs sampler='exact'")
         stops = stop_list(stop)
         engine = self.engine

@@ -98,6 +98,11 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def rejects(self) -> bool:
+        """Samples with the rejection sampler (a greedy row never does)."""
+        return self.sampler == "rejection" and not self.greedy
+
+    @property
     def penalized(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
@@ -312,6 +317,11 @@ def choose(logits: mx.array, params: list[SamplingParams], positions: mx.array, 
     return mx.where(is_greedy, greedy, sampled)
 
 
+def positions_of(starts: list[int], width: int) -> mx.array:
+    """``[R, width]`` generated positions: row ``r`` from ``starts[r]``."""
+    return mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(width, dtype=mx.int32)[None]
+
+
 def draft_noise(params: list[SamplingParams], starts: list[int], k: int, vocab: int) -> mx.array | None:
     """What makes `draft_choice` an argmax of the head's raw logits, for a
     drafter that computes them itself (`mtp_engine.kernels.cuda_chain`):
@@ -322,11 +332,11 @@ def draft_noise(params: list[SamplingParams], starts: list[int], k: int, vocab: 
     filters are left out: a token a filter drops is proposed at most, and the
     verify rejects it. None when every row is greedy. Rejection-sampler rows
     draw from the head's distribution instead: a ValueError."""
-    if any(p.sampler == "rejection" and not p.greedy for p in params):
+    if any(p.rejects for p in params):
         raise ValueError("rejection-sampler rows draft from the head's distribution, not by an argmax")
     if all(p.greedy for p in params):
         return None
-    positions = mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(k, dtype=mx.int32)[None]
+    positions = positions_of(starts, k)
     scale = mx.array([0.0 if p.greedy else p.temperature for p in params], dtype=mx.float32)
     scale = scale[:, None, None]
     return mx.where(scale > 0, scale * gumbel([p.seed for p in params], positions, vocab), 0.0)
@@ -353,7 +363,7 @@ def draft_choice(logits: mx.array, params: list[SamplingParams], positions: mx.a
     head's filtered distribution (independent noise). Returns the drafts
     ``[R, T]`` and, when any row uses the rejection sampler, every row's
     scaled log-probabilities ``[R, T, V]`` (what acceptance compares)."""
-    rejecting = [p.sampler == "rejection" and not p.greedy for p in params]
+    rejecting = [p.rejects for p in params]
     if not any(rejecting):
         return choose(logits, params, positions), None
     scaled = scaled_logprobs(logits, params)

@@ -26,12 +26,7 @@ from mtp_engine.cache.capture import StateCaptureCache
 from mtp_engine.constraints import constrain
 from mtp_engine.drafters.base import Proposal
 from mtp_engine.sampling import ACCEPT, RESIDUAL, SamplingParams, apply_penalties, choose, gumbel
-from mtp_engine.sampling import scaled_logprobs, uniforms
-
-
-def positions_of(starts: list[int], width: int) -> mx.array:
-    """``[R, width]`` generated positions: row ``r`` from ``starts[r]``."""
-    return mx.array(starts, dtype=mx.int32)[:, None] + mx.arange(width, dtype=mx.int32)[None]
+from mtp_engine.sampling import positions_of, scaled_logprobs, uniforms
 
 
 def decisions(drafts: mx.array, logits: mx.array, params: list[SamplingParams], starts: list[int],
@@ -144,7 +139,7 @@ def verify(trunk, lm_head, caches: list, xs: mx.array, proposal: Proposal, param
     if histories is not None:
         logits = apply_penalties(logits, vparams, [histories[o] for o in owners], inputs[:, 1:])
     logits = constrain(logits, proposal.masks)  # constrained rows: what their grammars allow
-    rejecting = [proposal.q_scaled is not None and p.sampler == "rejection" and not p.greedy for p in vparams]
+    rejecting = [proposal.q_scaled is not None and p.rejects for p in vparams]
     lazy = []
     if not all(rejecting):  # rows whose drafts match targets (greedy, exact sampler)
         lazy.append(decisions(inputs[:, 1:], logits, vparams, vstarts))

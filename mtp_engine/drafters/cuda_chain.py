@@ -79,8 +79,7 @@ class CudaChainDrafter(HeadDrafter):
     def propose(self, decode, k: int, params, starts, caps) -> Proposal:
         """K drafts of every row, ``[rows, k]`` int32, from one kernel launch
         (its evaluation starts at once; not read back)."""
-        rejecting = any(p.sampler == "rejection" and not p.greedy for p in params)
-        if decode.mode not in CHAINS or rejecting or not 1 <= k <= MAX_DRAFTS:
+        if decode.mode not in CHAINS or any(p.rejects for p in params) or not 1 <= k <= MAX_DRAFTS:
             return super().propose(decode, k, params, starts, caps)
         hidden, tokens, counts = self._gather_pending()
         c, width = self.cache[0], hidden.shape[1]

@@ -36,8 +36,7 @@ from mtp_engine.drafters.compiled_head import CompiledHead
 from mtp_engine.model.mtp_head import MTPHead
 from mtp_engine.modes import CHAINS, SPECULATIVE_MODES, DecodeConfig
 from mtp_engine.options import MAX_VERIFY_WIDTH
-from mtp_engine.sampling import SamplingParams, choose, draft_choice, ranked_rows
-from mtp_engine.verify import positions_of
+from mtp_engine.sampling import SamplingParams, choose, draft_choice, positions_of, ranked_rows
 
 
 @dataclass
