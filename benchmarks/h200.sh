@@ -114,7 +114,7 @@ case "${1:?tests, ab, ab-job, first-use, tests-decoder, profile, shipped, datase
     timeout "${LIMIT:-560}" python3 -u -m jobs.bench $job --modes ${MODES:-baseline auto chain:3} --rounds ${ROUNDS:-2} \
       --temperatures ${TEMPS:-0 0.7} ${EXTRA:-} --json "$out/$gpu-job${TAG:-}.json" ;;
   job-batches)
-    for bs in ${BATCHES:-32 64 128}; do
+    for bs in ${BATCHES:-32 64 128}; do  # (this --batch-size comes after $job's, and the later one wins)
       timeout "${LIMIT:-180}" python3 -u -m jobs.bench $job --batch-size "$bs" --modes ${MODES:-baseline auto} \
         --rounds ${ROUNDS:-3} --temperatures ${TEMPS:-0} ${EXTRA:-} --json "$out/$gpu-job-b$bs.json" | tail -4
     done ;;
