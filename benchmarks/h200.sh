@@ -53,6 +53,8 @@
 # and name .mlx-ptx in the next call's carry: this script unpacks it first.
 # Staging in four calls: split the CUDA wheel into parts of 28,000,000 bytes (three of them fit beside the
 # ~38 MB tree under a call's 64 MiB); the fourth call carries the small last part, the other wheels and .mlx-ptx.
+# The machine's image lacks llguidance (constrained rows need it; without it their tests fail there): its wheel
+# (llguidance-1.9.1-cp39-abi3-manylinux_2_31_x86_64.whl, 3 MB) rides in the third call beside a part.
 # Several suites back to back in a detached process, polled by later calls: benchmarks/gpu-queue.sh.
 set -u
 # A queue suite's VAR=VALUE holds no spaces (benchmarks/gpu-queue.sh): in MODES, TEMPS, EXTRA and BATCHES a "+" stands for one
