@@ -80,10 +80,11 @@ case "${1:?tests, ab, ab-job, first-use, tests-decoder, profile, shipped, datase
       | tee "$out/$gpu-tests.log" | tail -40 ;;
   ab|ab-job)
     # an older commit (gpu-ab.sh stage REV; .ab-old in the call's carry) against this tree, alternating; ab: ARGS to
-    # mtp_engine.bench (default the 80b suite's B=32 run); ab-job: the job suite's job (MODES, ROUNDS, TEMPS)
+    # mtp_engine.bench (default the 80b suite's B=32 run); ab-job: the job suite's job (MODES, ROUNDS, TEMPS, EXTRA;
+    # TAG=-x names its files ab-job-x-*)
     if [ "$1" = ab-job ]; then
-      export NAME=ab-job MODULE=jobs.bench ARGS="$job --model $PWD/models/qwen3-next-tiny-stdlib
-        --modes ${MODES:-baseline auto} --rounds ${ROUNDS:-4} --temperatures ${TEMPS:-0}"
+      export NAME=ab-job${TAG:-} MODULE=jobs.bench ARGS="$job --model $PWD/models/qwen3-next-tiny-stdlib
+        --modes ${MODES:-baseline auto} --rounds ${ROUNDS:-4} --temperatures ${TEMPS:-0} ${EXTRA:-}"
     fi
     QUEUED=1 bash benchmarks/gpu-ab.sh run ;;
   first-use)
