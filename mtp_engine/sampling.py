@@ -336,10 +336,8 @@ def draft_noise(params: list[SamplingParams], starts: list[int], k: int, vocab: 
         raise ValueError("rejection-sampler rows draft from the head's distribution, not by an argmax")
     if all(p.greedy for p in params):
         return None
-    positions = positions_of(starts, k)
-    scale = mx.array([0.0 if p.greedy else p.temperature for p in params], dtype=mx.float32)
-    scale = scale[:, None, None]
-    return mx.where(scale > 0, scale * gumbel([p.seed for p in params], positions, vocab), 0.0)
+    scale = mx.array([p.temperature for p in params], dtype=mx.float32)[:, None, None]  # greedy rows: 0
+    return scale * gumbel([p.seed for p in params], positions_of(starts, k), vocab)  # (finite: uniforms are in (0, 1))
 
 
 def ranked_rows(logits: mx.array, params: list[SamplingParams], positions: list[int], k: int) -> list[list[int]]:
